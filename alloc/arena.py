@@ -1,0 +1,273 @@
+"""The arena as a Python object: a thin layer over the C core that checks arguments and turns
+status codes into exceptions."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+from ._core import ffi, lib
+from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
+from .units import fmt_bytes
+
+STREAM_NONE = (1 << 64) - 1
+"""Stream value of memory no stream has touched yet."""
+
+STAT_NAMES = tuple(name for name, _ in ffi.typeof("ia_stats_t").fields)
+STAT_DOCS = {ffi.string(lib.ia_stat_name(i)).decode(): ffi.string(lib.ia_stat_doc(i)).decode()
+             for i in range(lib.ia_stat_count())}
+
+
+def status_text(status: int) -> str:
+    return ffi.string(lib.ia_status_str(status)).decode()
+
+
+def stats_dict(stats) -> dict:
+    """An ia_stats_t as a dict keyed by the C field names."""
+    return {name: getattr(stats, name) for name in STAT_NAMES}
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of an arena: offset is from the start of its region."""
+    region: int
+    offset: int
+    address: int
+    size: int
+    requested: int
+    state: Literal["free", "used"]
+    stream: int
+
+
+@dataclass(frozen=True)
+class Region:
+    base: int
+    size: int
+
+
+def _new_backend(backend: str, device: int | None, host_limit: int | None, cudart: str | None):
+    out = ffi.new("ia_backend_t **")
+    if backend == "host":
+        limit = physical_memory() if host_limit is None else host_limit
+        status = lib.ia_host_backend_create(limit, out)
+    elif backend == "cuda":
+        if device is None or device < 0:
+            raise ValueError("the cuda backend needs a device index >= 0")
+        path = cudart.encode() if cudart else ffi.NULL
+        status = lib.ia_cuda_backend_create(device, path, out)
+        if status != lib.IA_OK:
+            raise BackendError(ffi.string(lib.ia_cuda_last_error()).decode())
+    else:
+        raise ValueError(f"unknown backend {backend!r}; accepted: 'host', 'cuda'")
+    if status != lib.IA_OK:
+        raise BackendError(f"could not create the {backend} backend: {status_text(status)}")
+    return out[0]
+
+
+class Arena:
+    """A budget arena over one reservation (or, with ``growable=True``, over regions added on
+    demand). Addresses are plain ints; ``stream`` is an int handle the backend understands.
+
+    >>> with Arena(1 << 20) as a:
+    ...     p = a.allocate(1000)
+    ...     a.free(p)
+    """
+
+    def __init__(self, capacity: int, alignment: int = 256, backend: str = "host", *,
+                 device: int | None = None, growable: bool = False, region_min: int = 2 << 20,
+                 region_round: int = 2 << 20, region_exact_above: int | None = None,
+                 limit: int = 0, host_limit: int | None = None, cudart: str | None = None,
+                 name: str = "arena"):
+        for label, value in (("capacity", capacity), ("alignment", alignment), ("limit", limit)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{label} must be a non-negative int, got {value!r}")
+        if alignment < 16 or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two >= 16, got {alignment}")
+        if not growable and capacity == 0:
+            raise ValueError("a fixed arena needs capacity > 0 (or pass growable=True)")
+        self.name = name
+        self.backend_name = backend
+        self.device = device
+        self._lock = threading.Lock()
+        self._backend = _new_backend(backend, device, host_limit, cudart)
+        opts = ffi.new("ia_arena_options_t *")
+        lib.ia_arena_default_options(opts)
+        opts.capacity = capacity
+        opts.alignment = alignment
+        opts.growable = growable
+        opts.region_min = region_min
+        opts.region_round = region_round
+        opts.region_exact_above = region_exact_above if region_exact_above is not None else (1 << 64) - 1
+        opts.limit = limit
+        out = ffi.new("ia_arena_t **")
+        status = lib.ia_arena_create(opts, self._backend, out)  # takes the backend, even on failure
+        if status != lib.IA_OK:
+            self._backend = ffi.NULL
+            detail = ffi.string(lib.ia_cuda_last_error()).decode() if backend == "cuda" else ""
+            raise ArenaOutOfMemory(
+                f"{name}: the {backend} backend could not reserve {fmt_bytes(capacity)} "
+                f"({status_text(status)}{'; ' + detail if detail else ''})",
+                requested=capacity, stats={}) if status in (
+                    lib.IA_ERR_BACKEND_OUT_OF_MEMORY, lib.IA_ERR_HOST_MEMORY_GUARD) else BackendError(
+                f"{name}: could not create the arena: {status_text(status)}")
+        self._arena = out[0]
+        self.capacity = capacity
+        self.alignment = alignment
+        self.growable = growable
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if getattr(self, "_arena", ffi.NULL) != ffi.NULL:
+                lib.ia_arena_destroy(self._arena)
+                self._arena = ffi.NULL
+                self._backend = ffi.NULL
+
+    def __enter__(self) -> Arena:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _handle(self):
+        if self._arena == ffi.NULL:
+            raise ValueError(f"{self.name} is closed")
+        return self._arena
+
+    # -- allocation -----------------------------------------------------------------------------
+    def allocate(self, size: int, stream: int = 0) -> int:
+        """Returns the address of a block of at least ``size`` bytes (0 for size 0)."""
+        if not isinstance(size, int) or size < 0:
+            raise ValueError(f"size must be a non-negative int, got {size!r}")
+        out = ffi.new("void **")
+        status = lib.ia_arena_alloc(self._handle(), size, stream, out)
+        if status != lib.IA_OK:
+            raise self._out_of_memory(size, status)
+        return int(ffi.cast("uintptr_t", out[0]))
+
+    def free(self, address: int, stream: int = 0) -> None:
+        status = lib.ia_arena_free(self._handle(), ffi.cast("void *", address), stream)
+        if status != lib.IA_OK:
+            raise self._bad_pointer("free", address, status)
+
+    def record_stream(self, address: int, stream: int) -> None:
+        """Marks the block as used on ``stream`` too; its free waits for that stream's work."""
+        status = lib.ia_arena_record_stream(self._handle(), ffi.cast("void *", address), stream)
+        if status != lib.IA_OK:
+            raise self._bad_pointer("record_stream", address, status)
+
+    def release_cached(self) -> int:
+        """Growable arenas: gives fully free regions back to the backend; returns the bytes."""
+        return int(lib.ia_arena_release_cached(self._handle()))
+
+    def owns(self, address: int) -> bool:
+        return bool(lib.ia_arena_owns(self._handle(), ffi.cast("void *", address)))
+
+    # -- inspection -----------------------------------------------------------------------------
+    def stats(self) -> dict:
+        s = ffi.new("ia_stats_t *")
+        lib.ia_arena_stats(self._handle(), s)
+        return stats_dict(s)
+
+    def reset_peaks(self) -> None:
+        lib.ia_arena_reset_peaks(self._handle())
+
+    def regions(self) -> list[Region]:
+        n = lib.ia_arena_regions(self._handle(), ffi.NULL, 0)
+        buf = ffi.new("ia_region_info_t[]", max(n, 1))
+        n = min(n, lib.ia_arena_regions(self._handle(), buf, n))
+        return [Region(int(buf[i].base), int(buf[i].size)) for i in range(n)]
+
+    def blocks(self) -> list[Block]:
+        """Every block in address order within each region (regions oldest first)."""
+        cap = 0
+        while True:
+            buf = ffi.new("ia_block_info_t[]", max(cap, 1))
+            n = lib.ia_arena_blocks(self._handle(), buf, cap)
+            if n <= cap:
+                break
+            cap = 2 * n
+        out = []
+        for b in buf[0:n]:
+            out.append(Block(region=int(b.region), offset=int(b.address - b.region_base),
+                             address=int(b.address), size=int(b.size), requested=int(b.requested),
+                             state="free" if b.is_free else "used", stream=int(b.stream)))
+        return out
+
+    def check(self) -> None:
+        """Raises InvariantError if the blocks do not tile the regions exactly."""
+        msg = ffi.new("char[]", 512)
+        if not lib.ia_arena_check(self._handle(), msg, 512):
+            raise InvariantError(f"{self.name}: {ffi.string(msg).decode()}")
+
+    # -- host backend controls (tests and simulation) --------------------------------------------
+    def _host_backend(self):
+        if self.backend_name != "host":
+            raise ValueError("stream simulation controls exist only on the host backend")
+        self._handle()
+        return self._backend
+
+    def set_auto_complete(self, on: bool) -> None:
+        lib.ia_host_set_auto_complete(self._host_backend(), on)
+
+    def complete(self, stream: int) -> None:
+        """Host backend: completes all work recorded so far on ``stream``."""
+        lib.ia_host_complete(self._host_backend(), stream)
+
+    def waits(self, waiter: int, waited_on: int) -> int:
+        """Host backend: how many times ``waiter`` was made to wait on ``waited_on``."""
+        return int(lib.ia_host_waits(self._host_backend(), waiter, waited_on))
+
+    # -- messages -------------------------------------------------------------------------------
+    def describe(self) -> str:
+        s = self.stats()
+        return (f"capacity {fmt_bytes(s['capacity'])}, in use {fmt_bytes(s['in_use'])} in "
+                f"{s['blocks_in_use']} blocks, free {fmt_bytes(s['free_bytes'])}, largest free block "
+                f"{fmt_bytes(s['largest_free'])}")
+
+    def _out_of_memory(self, size: int, status: int) -> Exception:
+        stats = self.stats()
+        what = status_text(status)
+        if status == lib.IA_ERR_BACKEND and self.backend_name == "cuda":
+            return BackendError(f"{self.name}: {ffi.string(lib.ia_cuda_last_error()).decode()}")
+        if status == lib.IA_ERR_NO_HOST_MEMORY:
+            return MemoryError(f"{self.name}: {what}")
+        return ArenaOutOfMemory(
+            f"{self.name}: cannot allocate {fmt_bytes(size)} ({size} bytes): {what}; "
+            f"{self.describe()}", requested=size, stats=stats)
+
+    def _bad_pointer(self, op: str, address: int, status: int) -> Exception:
+        text = f"{self.name}: {op}({address:#x}): {status_text(status)}; {self.describe()}"
+        if status == lib.IA_ERR_DOUBLE_FREE:
+            return DoubleFree(text)
+        if status == lib.IA_ERR_FOREIGN_POINTER:
+            return ForeignPointer(text)
+        return MemoryError(text)
+
+
+def workspace_arena(config, backend: str = "host", *, device: int | None = None,
+                    cudart: str | None = None, name: str = "workspace arena") -> Arena:
+    """The fixed workspace arena a Config describes. A budget the backend cannot reserve is a
+    configuration error: it names budget_mb and the most this backend could take."""
+    try:
+        return Arena(config.budget_bytes, config.alignment, backend, device=device, cudart=cudart,
+                     name=name)
+    except ArenaOutOfMemory as e:
+        from .errors import ConfigError
+        if backend == "cuda":
+            free = ffi.new("size_t *"), ffi.new("size_t *")
+            ok = lib.ia_cuda_mem_info(device, free[0], free[1]) == lib.IA_OK
+            room = f"{free[0][0] >> 20} MiB free on cuda:{device}" if ok else "the device's free memory"
+        else:
+            room = f"{physical_memory() >> 20} MiB of host memory"
+        raise ConfigError("budget_mb", config.budget_mb, f"a positive integer no larger than {room}",
+                          reason=str(e)) from None

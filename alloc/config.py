@@ -1,0 +1,130 @@
+"""Configuration: one environment variable in PyTorch's ``key:value,key:value`` style.
+
+``INDEXER_ARENA_CONF`` holds the settings; the workspace budget may instead come from
+``VLLM_SPARSE_INDEXER_MAX_LOGITS_MB``, which serving engines already set. Every value is checked
+and a bad one raises ConfigError naming the key, the value and what is accepted. A key that is not
+given takes its documented default; a key that is given is never replaced by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+ENV_VAR = "INDEXER_ARENA_CONF"
+VLLM_BUDGET_VAR = "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text, 10)
+    if value <= 0:
+        raise ValueError("must be greater than zero")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text, 10)
+    if value < 0:
+        raise ValueError("must not be negative")
+    return value
+
+
+def _power_of_two_16(text: str) -> int:
+    value = int(text, 10)
+    if value < 16 or value & (value - 1):
+        raise ValueError("must be a power of two of at least 16")
+    return value
+
+
+@dataclass(frozen=True)
+class Key:
+    name: str
+    parse: Callable[[str], object]
+    accepted: str
+    doc: str
+
+
+KEYS: dict[str, Key] = {k.name: k for k in (
+    Key("budget_mb", _positive_int, "a positive integer number of MiB",
+        "size of each device's workspace arena, reserved once (default 512)"),
+    Key("alignment", _power_of_two_16, "a power of two >= 16 (bytes)",
+        "alignment of every workspace block (default 256)"),
+)}
+
+
+@dataclass(frozen=True)
+class Config:
+    budget_mb: int = 512
+    alignment: int = 256
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_mb << 20
+
+    def replace(self, **changes) -> Config:
+        for name, value in changes.items():
+            if name not in KEYS:
+                raise ConfigError(name, value, f"one of {', '.join(KEYS)}", "arguments",
+                                  "unknown key")
+            if not isinstance(value, str):
+                value = str(value)
+            changes[name] = _parse_value(KEYS[name], value, "arguments")
+        return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> str:
+        """The INDEXER_ARENA_CONF text that reproduces this configuration."""
+        default = Config()
+        return ",".join(f"{k}:{getattr(self, k)}" for k in KEYS
+                        if getattr(self, k) != getattr(default, k))
+
+
+def _parse_value(key: Key, text: str, source: str) -> object:
+    try:
+        return key.parse(text)
+    except ValueError as e:
+        reason = "not an integer" if "invalid literal" in str(e) else str(e)
+        raise ConfigError(key.name, text, key.accepted, source, reason) from None
+
+
+def parse(text: str, source: str = ENV_VAR) -> dict[str, object]:
+    """Parses ``key:value,key:value`` into a dict of checked values."""
+    values: dict[str, object] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, value = item.partition(":")
+        name, value = name.strip(), value.strip()
+        if name not in KEYS:
+            raise ConfigError(name, value, f"one of {', '.join(KEYS)}", source, "unknown key")
+        if not sep:
+            raise ConfigError(name, item, f"{name}:<{KEYS[name].accepted}>", source,
+                              "missing ':' between key and value")
+        if name in values:
+            raise ConfigError(name, value, "each key once", source, "given twice")
+        values[name] = _parse_value(KEYS[name], value, source)
+    return values
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> Config:
+    """Reads INDEXER_ARENA_CONF and VLLM_SPARSE_INDEXER_MAX_LOGITS_MB."""
+    environ = os.environ if environ is None else environ
+    values = parse(environ.get(ENV_VAR, ""))
+    vllm = environ.get(VLLM_BUDGET_VAR)
+    if vllm is not None:
+        budget = _parse_value(KEYS["budget_mb"], vllm.strip(), VLLM_BUDGET_VAR)
+        if "budget_mb" in values and values["budget_mb"] != budget:
+            raise ConfigError("budget_mb", values["budget_mb"], f"the same budget in both places",
+                              f"{ENV_VAR}, while {VLLM_BUDGET_VAR}={vllm}",
+                              "the two settings disagree")
+        values["budget_mb"] = budget
+    return Config(**values)
+
+
+def describe_keys() -> str:
+    """One line per key, for the CLI and the README."""
+    return "\n".join(f"{k.name:<18} {k.doc}; {k.accepted}" for k in KEYS.values())

@@ -1,0 +1,750 @@
+/* The arena: sub-allocation of reservations that were made once.
+ *
+ * Layout. Every region (one backend reservation) is tiled by blocks kept in address order through
+ * phys_prev/phys_next. A block is either live (in the live table, keyed by address) or free (in one
+ * size-class bin). Block headers live here in host memory, never in the reservation, because the
+ * reservation is usually device memory the CPU cannot touch.
+ *
+ * Policy: good fit over segregated size classes (TLSF, Masmano et al. 2004). Classes are powers of
+ * two split 32 ways, with bitmaps over non-empty classes, so a search is two find-first-set
+ * instructions whatever the number of blocks. The search rounds the request up to the next class,
+ * so the head of any class it lands on fits; the block handed out is then at most 1/32 larger than
+ * the smallest block that fits. When no larger class has a block, the request's own class is
+ * scanned first-fit before giving up, so a request is refused only when no free block can hold it.
+ * Freed blocks merge with free neighbours at once, which keeps the arena one block when idle: the
+ * growing-request pattern of a chunked prefill always finds the whole budget free.
+ *
+ * Streams. A live block belongs to the stream it was allocated on. A freed block remembers the
+ * stream it was freed on and a sequence number. The same stream may reuse it at once (stream order
+ * protects it). Another stream may reuse it only once ordered after the free: the arena records the
+ * freeing stream's event (lazily, once per batch of frees) and, unless that event has already
+ * completed, makes the allocating stream wait on it. Merging two free blocks freed on different
+ * streams orders one stream after the other the same way, so a free block has a single stream.
+ *
+ * Locking: one mutex per arena guards everything in it, taken once per public call. Backend calls
+ * made while growing or ordering streams happen under it; they never call back into the arena.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define SL_BITS 5
+#define SL_COUNT (1u << SL_BITS)
+#define ALIGN_SHIFT 4
+#define FL_SHIFT (SL_BITS + ALIGN_SHIFT)
+#define SMALL_LIMIT ((size_t)1 << FL_SHIFT)
+#define FL_COUNT (64 - FL_SHIFT + 1)
+#define SLAB_BLOCKS 256
+/* No reservation comes near this; above it the class arithmetic could overflow. */
+#define MAX_REQUEST ((size_t)1 << 62)
+
+typedef struct region region_t;
+
+typedef struct block {
+  uintptr_t addr;
+  size_t size;
+  size_t requested;
+  struct block *phys_prev, *phys_next;
+  struct block *free_prev, *free_next; /* bin links while free; slab free list while unused */
+  region_t *region;
+  ia_stream_t stream;
+  uint64_t free_seq;
+  ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
+  uint32_t n_uses, cap_uses;
+  uint16_t fl, sl;
+  bool is_free;
+} block_t;
+
+struct region {
+  void *raw;
+  size_t raw_size;
+  uintptr_t base;
+  size_t size;
+  block_t *first;
+  region_t *next;
+};
+
+typedef struct slab {
+  struct slab *next;
+  block_t blocks[SLAB_BLOCKS];
+} slab_t;
+
+typedef struct stream_state {
+  ia_stream_t stream;
+  void *event;
+  uint64_t recorded_seq; /* frees up to this sequence number are behind the recorded event */
+} stream_state_t;
+
+struct ia_arena {
+  pthread_mutex_t lock;
+  ia_arena_options_t opts;
+  ia_backend_t *backend;
+
+  region_t *regions;
+  size_t n_regions;
+  uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
+
+  uint64_t fl_bitmap;
+  uint32_t sl_bitmap[FL_COUNT];
+  block_t *bins[FL_COUNT][SL_COUNT];
+
+  block_t **table; /* live blocks by address: open addressing, linear probing */
+  size_t table_mask, table_count;
+
+  slab_t *slabs;
+  block_t *spare_blocks;
+
+  stream_state_t *streams;
+  size_t n_streams, cap_streams;
+  uint64_t free_seq;
+
+  ia_stats_t stats;
+};
+
+void _ia_assert_fail(const char *cond, const char *file, int line) {
+  fprintf(stderr, "indexer-arena: internal invariant broken: %s (%s:%d)\n", cond, file, line);
+  abort();
+}
+
+/* ---- size classes ----------------------------------------------------------------------------- */
+
+static inline unsigned log2_floor(size_t n) { return 63u - (unsigned)__builtin_clzll(n); }
+
+static void class_of(size_t size, unsigned *fl, unsigned *sl) {
+  if (size < SMALL_LIMIT) {
+    *fl = 0;
+    *sl = (unsigned)(size >> ALIGN_SHIFT);
+  } else {
+    unsigned f = log2_floor(size);
+    *sl = (unsigned)(size >> (f - SL_BITS)) ^ SL_COUNT;
+    *fl = f - (FL_SHIFT - 1);
+  }
+}
+
+/* The class whose every block holds `size`: round up to the next class boundary first. */
+static void class_for_search(size_t size, unsigned *fl, unsigned *sl) {
+  if (size >= SMALL_LIMIT) size += ((size_t)1 << (log2_floor(size) - SL_BITS)) - 1;
+  class_of(size, fl, sl);
+}
+
+static void bin_insert(ia_arena_t *a, block_t *b) {
+  unsigned fl, sl;
+  class_of(b->size, &fl, &sl);
+  b->fl = (uint16_t)fl;
+  b->sl = (uint16_t)sl;
+  b->free_prev = NULL;
+  b->free_next = a->bins[fl][sl];
+  if (b->free_next) b->free_next->free_prev = b;
+  a->bins[fl][sl] = b;
+  a->fl_bitmap |= 1ull << fl;
+  a->sl_bitmap[fl] |= 1u << sl;
+  a->stats.free_bytes += b->size;
+  a->stats.free_blocks++;
+}
+
+static void bin_remove(ia_arena_t *a, block_t *b) {
+  unsigned fl = b->fl, sl = b->sl;
+  if (b->free_prev) b->free_prev->free_next = b->free_next;
+  else a->bins[fl][sl] = b->free_next;
+  if (b->free_next) b->free_next->free_prev = b->free_prev;
+  if (!a->bins[fl][sl]) {
+    a->sl_bitmap[fl] &= ~(1u << sl);
+    if (!a->sl_bitmap[fl]) a->fl_bitmap &= ~(1ull << fl);
+  }
+  b->free_prev = b->free_next = NULL;
+  a->stats.free_bytes -= b->size;
+  a->stats.free_blocks--;
+}
+
+static block_t *find_free(ia_arena_t *a, size_t size) {
+  unsigned fl, sl;
+  class_for_search(size, &fl, &sl);
+  if (fl < FL_COUNT) {
+    uint32_t sl_map = a->sl_bitmap[fl] & (~0u << sl);
+    if (!sl_map) {
+      uint64_t fl_map = fl + 1 < FL_COUNT ? a->fl_bitmap & (~0ull << (fl + 1)) : 0;
+      if (fl_map) {
+        fl = (unsigned)__builtin_ctzll(fl_map);
+        sl_map = a->sl_bitmap[fl];
+      }
+    }
+    if (sl_map) return a->bins[fl][__builtin_ctz(sl_map)];
+  }
+  class_of(size, &fl, &sl);
+  for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)
+    if (b->size >= size) return b;
+  return NULL;
+}
+
+/* ---- block headers ---------------------------------------------------------------------------- */
+
+static block_t *block_new(ia_arena_t *a) {
+  if (!a->spare_blocks) {
+    slab_t *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->next = a->slabs;
+    a->slabs = s;
+    for (int i = SLAB_BLOCKS - 1; i >= 0; i--) {
+      s->blocks[i].free_next = a->spare_blocks;
+      a->spare_blocks = &s->blocks[i];
+    }
+  }
+  block_t *b = a->spare_blocks;
+  a->spare_blocks = b->free_next;
+  memset(b, 0, sizeof *b);
+  return b;
+}
+
+static void block_delete(ia_arena_t *a, block_t *b) {
+  free(b->uses);
+  b->uses = NULL;
+  b->free_next = a->spare_blocks;
+  a->spare_blocks = b;
+}
+
+/* ---- live-block table ------------------------------------------------------------------------- */
+
+static inline size_t slot_of(const ia_arena_t *a, uintptr_t addr) {
+  return (size_t)(((uint64_t)addr >> ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & a->table_mask;
+}
+
+static bool table_grow(ia_arena_t *a) {
+  size_t old_size = a->table ? a->table_mask + 1 : 0;
+  size_t new_size = old_size ? old_size * 2 : 1024;
+  block_t **t = calloc(new_size, sizeof *t);
+  if (!t) return false;
+  block_t **old = a->table;
+  a->table = t;
+  a->table_mask = new_size - 1;
+  for (size_t i = 0; i < old_size; i++) {
+    if (!old[i]) continue;
+    size_t j = slot_of(a, old[i]->addr);
+    while (t[j]) j = (j + 1) & a->table_mask;
+    t[j] = old[i];
+  }
+  free(old);
+  return true;
+}
+
+static bool table_insert(ia_arena_t *a, block_t *b) {
+  if (!a->table || (a->table_count + 1) * 2 > a->table_mask + 1)
+    if (!table_grow(a)) return false;
+  size_t i = slot_of(a, b->addr);
+  while (a->table[i]) i = (i + 1) & a->table_mask;
+  a->table[i] = b;
+  a->table_count++;
+  return true;
+}
+
+static block_t *table_find(const ia_arena_t *a, uintptr_t addr, size_t *slot) {
+  if (!a->table) return NULL;
+  for (size_t i = slot_of(a, addr);; i = (i + 1) & a->table_mask) {
+    block_t *b = a->table[i];
+    if (!b) return NULL;
+    if (b->addr == addr) {
+      if (slot) *slot = i;
+      return b;
+    }
+  }
+}
+
+/* Backward-shift deletion keeps probe chains intact without tombstones. */
+static void table_remove_slot(ia_arena_t *a, size_t hole) {
+  size_t i = hole;
+  for (;;) {
+    i = (i + 1) & a->table_mask;
+    block_t *b = a->table[i];
+    if (!b) break;
+    size_t home = slot_of(a, b->addr);
+    bool movable = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
+    if (movable) {
+      a->table[hole] = b;
+      hole = i;
+    }
+  }
+  a->table[hole] = NULL;
+  a->table_count--;
+}
+
+/* ---- regions ---------------------------------------------------------------------------------- */
+
+static bool in_region(const region_t *r, uintptr_t p) { return p >= r->base && p - r->base < r->size; }
+
+static region_t *region_of(const ia_arena_t *a, uintptr_t p) {
+  for (region_t *r = a->regions; r; r = r->next)
+    if (in_region(r, p)) return r;
+  return NULL;
+}
+
+static ia_status_t region_add(ia_arena_t *a, size_t size) {
+  size_t align = a->opts.alignment;
+  size_t slack = align > a->backend->natural_alignment ? align : 0;
+  if (size > SIZE_MAX - slack) return IA_ERR_BACKEND_OUT_OF_MEMORY;
+  region_t *r = calloc(1, sizeof *r);
+  block_t *b = block_new(a);
+  if (!r || !b) {
+    free(r);
+    if (b) block_delete(a, b);
+    return IA_ERR_NO_HOST_MEMORY;
+  }
+  a->stats.backend_reserves++;
+  ia_status_t st = a->backend->reserve(a->backend, size + slack, &r->raw);
+  if (st != IA_OK) {
+    a->stats.backend_failures++;
+    free(r);
+    block_delete(a, b);
+    return st;
+  }
+  r->raw_size = size + slack;
+  r->base = _ia_align_up((uintptr_t)r->raw, align);
+  r->size = size;
+  r->first = b;
+  r->next = a->regions;
+  a->regions = r;
+  a->n_regions++;
+  b->addr = r->base;
+  b->size = size;
+  b->region = r;
+  b->stream = IA_STREAM_NONE;
+  b->is_free = true;
+  bin_insert(a, b);
+  a->stats.capacity += size;
+  a->stats.regions++;
+  if (a->stats.capacity > a->stats.capacity_peak) a->stats.capacity_peak = a->stats.capacity;
+  return IA_OK;
+}
+
+static void region_drop(ia_arena_t *a, region_t *r) {
+  region_t **link = &a->regions;
+  while (*link != r) link = &(*link)->next;
+  *link = r->next;
+  a->n_regions--;
+  a->backend->release(a->backend, r->raw, r->raw_size);
+  a->stats.backend_releases++;
+  a->stats.capacity -= r->size;
+  a->stats.regions--;
+  free(r);
+}
+
+static uint64_t release_free_regions(ia_arena_t *a) {
+  uint64_t released = 0;
+  region_t *next;
+  for (region_t *r = a->regions; r; r = next) {
+    next = r->next;
+    block_t *b = r->first;
+    if (!b->is_free || b->size != r->size) continue;
+    bin_remove(a, b);
+    block_delete(a, b);
+    released += r->size;
+    region_drop(a, r);
+  }
+  return released;
+}
+
+static size_t region_size_for(const ia_arena_options_t *o, size_t size) {
+  size_t rounded = _ia_align_up(size, o->region_round);
+  if (size >= o->region_exact_above) return rounded;
+  return rounded > o->region_min ? rounded : o->region_min;
+}
+
+static ia_status_t grow(ia_arena_t *a, size_t size) {
+  size_t want = region_size_for(&a->opts, size);
+  if (a->opts.limit && a->stats.capacity + want > a->opts.limit) {
+    if (release_free_regions(a)) a->stats.retries++;
+    if (a->stats.capacity + want > a->opts.limit) return IA_ERR_LIMIT;
+  }
+  ia_status_t st = region_add(a, want);
+  if ((st == IA_ERR_BACKEND_OUT_OF_MEMORY || st == IA_ERR_HOST_MEMORY_GUARD) &&
+      release_free_regions(a)) {
+    a->stats.retries++;
+    st = region_add(a, want);
+  }
+  return st;
+}
+
+/* ---- stream ordering -------------------------------------------------------------------------- */
+
+static stream_state_t *stream_state(ia_arena_t *a, ia_stream_t s, ia_status_t *st) {
+  for (size_t i = 0; i < a->n_streams; i++)
+    if (a->streams[i].stream == s) return &a->streams[i];
+  if (a->n_streams == a->cap_streams) {
+    size_t cap = a->cap_streams ? a->cap_streams * 2 : 8;
+    stream_state_t *grown = realloc(a->streams, cap * sizeof *grown);
+    if (!grown) {
+      *st = IA_ERR_NO_HOST_MEMORY;
+      return NULL;
+    }
+    a->streams = grown;
+    a->cap_streams = cap;
+  }
+  stream_state_t *ss = &a->streams[a->n_streams];
+  *ss = (stream_state_t){.stream = s};
+  if ((*st = a->backend->event_create(a->backend, &ss->event)) != IA_OK) return NULL;
+  a->n_streams++;
+  return ss;
+}
+
+/* Makes `waiter` ordered after everything `freed_on` had queued when the free numbered free_seq
+ * happened (UINT64_MAX: after everything it has queued now). */
+static ia_status_t order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed_on,
+                               uint64_t free_seq) {
+  if (freed_on == IA_STREAM_NONE || freed_on == waiter) return IA_OK;
+  ia_status_t st = IA_OK;
+  stream_state_t *ss = stream_state(a, freed_on, &st);
+  if (!ss) return st;
+  if (ss->recorded_seq < free_seq) {
+    if ((st = a->backend->event_record(a->backend, ss->event, freed_on)) != IA_OK) return st;
+    ss->recorded_seq = a->free_seq;
+    a->stats.event_records++;
+  }
+  if (a->backend->event_done(a->backend, ss->event)) return IA_OK;
+  if ((st = a->backend->stream_wait(a->backend, waiter, ss->event)) != IA_OK) return st;
+  a->stats.stream_waits++;
+  return IA_OK;
+}
+
+/* ---- public operations ------------------------------------------------------------------------ */
+
+void ia_arena_default_options(ia_arena_options_t *o) {
+  *o = (ia_arena_options_t){.alignment = 256, .region_round = (size_t)2 << 20,
+                            .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX};
+}
+
+ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backend, ia_arena_t **out) {
+  *out = NULL;
+  if (!backend) return IA_ERR_INVALID_ARGUMENT;
+  if (!opts || !_ia_is_pow2(opts->alignment) || opts->alignment < 16 ||
+      (!opts->growable && opts->capacity == 0) ||
+      (opts->growable && (!_ia_is_pow2(opts->region_round) || opts->region_round < opts->alignment))) {
+    ia_backend_destroy(backend);
+    return IA_ERR_INVALID_ARGUMENT;
+  }
+  ia_arena_t *a = calloc(1, sizeof *a);
+  if (!a) {
+    ia_backend_destroy(backend);
+    return IA_ERR_NO_HOST_MEMORY;
+  }
+  pthread_mutex_init(&a->lock, NULL);
+  a->opts = *opts;
+  a->backend = backend;
+  if (opts->capacity) {
+    ia_status_t st = region_add(a, _ia_align_up(opts->capacity, opts->alignment));
+    if (st != IA_OK) {
+      ia_arena_destroy(a);
+      return st;
+    }
+    if (!opts->growable) {
+      a->fixed_lo = a->regions->base;
+      a->fixed_hi = a->regions->base + a->regions->size;
+    }
+  }
+  *out = a;
+  return IA_OK;
+}
+
+void ia_arena_destroy(ia_arena_t *a) {
+  if (!a) return;
+  while (a->regions) region_drop(a, a->regions);
+  for (size_t i = 0; i < a->n_streams; i++) a->backend->event_destroy(a->backend, a->streams[i].event);
+  for (slab_t *s = a->slabs, *next; s; s = next) {
+    next = s->next;
+    for (int i = 0; i < SLAB_BLOCKS; i++) free(s->blocks[i].uses);
+    free(s);
+  }
+  ia_backend_destroy(a->backend);
+  free(a->streams);
+  free(a->table);
+  pthread_mutex_destroy(&a->lock);
+  free(a);
+}
+
+ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
+  *out = NULL;
+  if (size == 0) return IA_OK;
+  size_t align = a->opts.alignment;
+  pthread_mutex_lock(&a->lock);
+  ia_status_t st = IA_ERR_OUT_OF_MEMORY;
+  block_t *b = NULL;
+  if (size <= MAX_REQUEST) {
+    size_t rsize = _ia_align_up(size, align);
+    b = find_free(a, rsize);
+    if (!b && a->opts.growable) {
+      st = grow(a, rsize);
+      if (st == IA_OK) b = find_free(a, rsize);
+    }
+    if (b) {
+      st = order_after(a, stream, b->stream, b->free_seq);
+      if (st == IA_OK && !table_insert(a, b)) st = IA_ERR_NO_HOST_MEMORY;
+      if (st != IA_OK) b = NULL;
+    }
+    if (b) {
+      bin_remove(a, b);
+      if (b->size - rsize >= align) {
+        block_t *tail = block_new(a);
+        if (tail) { /* without a header the block is simply handed out whole */
+          tail->addr = b->addr + rsize;
+          tail->size = b->size - rsize;
+          tail->region = b->region;
+          tail->stream = b->stream;
+          tail->free_seq = b->free_seq;
+          tail->is_free = true;
+          tail->phys_prev = b;
+          tail->phys_next = b->phys_next;
+          if (b->phys_next) b->phys_next->phys_prev = tail;
+          b->phys_next = tail;
+          b->size = rsize;
+          bin_insert(a, tail);
+        }
+      }
+      b->is_free = false;
+      b->stream = stream;
+      b->requested = size;
+      ia_stats_t *s = &a->stats;
+      s->in_use += b->size;
+      if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
+      s->requested += size;
+      s->blocks_in_use++;
+      s->requests_served++;
+      s->allocated_total += b->size;
+      *out = (void *)b->addr;
+    }
+  }
+  if (!b) a->stats.requests_failed++;
+  pthread_mutex_unlock(&a->lock);
+  return b ? IA_OK : st;
+}
+
+static void merge_into(ia_arena_t *a, block_t *left, block_t *right) {
+  left->size += right->size;
+  left->phys_next = right->phys_next;
+  if (right->phys_next) right->phys_next->phys_prev = left;
+  block_delete(a, right);
+}
+
+ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  if (!ptr) return IA_OK;
+  pthread_mutex_lock(&a->lock);
+  size_t slot;
+  block_t *b = table_find(a, (uintptr_t)ptr, &slot);
+  if (!b) {
+    a->stats.bad_frees++;
+    ia_status_t st = region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
+    pthread_mutex_unlock(&a->lock);
+    return st;
+  }
+  /* Ordering failures below cannot be handed back to the caller without leaking the block; the
+   * streams involved are broken anyway, so they stop the process instead. */
+  for (uint32_t i = 0; i < b->n_uses; i++)
+    ia_assert(order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
+  b->n_uses = 0;
+  table_remove_slot(a, slot);
+  ia_stats_t *s = &a->stats;
+  s->in_use -= b->size;
+  s->requested -= b->requested;
+  s->blocks_in_use--;
+  s->frees++;
+  s->freed_total += b->size;
+  b->is_free = true;
+  b->requested = 0;
+  b->stream = stream;
+  b->free_seq = ++a->free_seq;
+  block_t *prev = b->phys_prev, *next = b->phys_next;
+  if (prev && prev->is_free) {
+    ia_assert(order_after(a, stream, prev->stream, prev->free_seq) == IA_OK);
+    bin_remove(a, prev);
+    merge_into(a, prev, b);
+    prev->stream = stream;
+    prev->free_seq = a->free_seq;
+    b = prev;
+  }
+  if (next && next->is_free) {
+    ia_assert(order_after(a, stream, next->stream, next->free_seq) == IA_OK);
+    bin_remove(a, next);
+    merge_into(a, b, next);
+  }
+  bin_insert(a, b);
+  pthread_mutex_unlock(&a->lock);
+  return IA_OK;
+}
+
+ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  pthread_mutex_lock(&a->lock);
+  ia_status_t st = IA_OK;
+  block_t *b = table_find(a, (uintptr_t)ptr, NULL);
+  if (!b) {
+    st = region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
+  } else if (stream != b->stream) {
+    bool known = false;
+    for (uint32_t i = 0; i < b->n_uses; i++) known |= b->uses[i] == stream;
+    if (!known) {
+      if (b->n_uses == b->cap_uses) {
+        uint32_t cap = b->cap_uses ? b->cap_uses * 2 : 4;
+        ia_stream_t *grown = realloc(b->uses, cap * sizeof *grown);
+        if (!grown) st = IA_ERR_NO_HOST_MEMORY;
+        else {
+          b->uses = grown;
+          b->cap_uses = cap;
+        }
+      }
+      if (st == IA_OK) b->uses[b->n_uses++] = stream;
+    }
+  }
+  pthread_mutex_unlock(&a->lock);
+  return st;
+}
+
+uint64_t ia_arena_release_cached(ia_arena_t *a) {
+  if (!a->opts.growable) return 0;
+  pthread_mutex_lock(&a->lock);
+  uint64_t released = release_free_regions(a);
+  pthread_mutex_unlock(&a->lock);
+  return released;
+}
+
+bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
+  uintptr_t p = (uintptr_t)ptr;
+  if (a->fixed_hi) return p >= a->fixed_lo && p < a->fixed_hi;
+  pthread_mutex_lock(&a->lock);
+  bool owned = region_of(a, p) != NULL;
+  pthread_mutex_unlock(&a->lock);
+  return owned;
+}
+
+size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
+
+static uint64_t largest_free_locked(const ia_arena_t *a) {
+  if (!a->fl_bitmap) return 0;
+  unsigned fl = log2_floor(a->fl_bitmap);
+  unsigned sl = log2_floor(a->sl_bitmap[fl]);
+  uint64_t largest = 0;
+  for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)
+    if (b->size > largest) largest = b->size;
+  return largest;
+}
+
+void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
+  pthread_mutex_lock(&a->lock);
+  *out = a->stats;
+  out->largest_free = largest_free_locked(a);
+  pthread_mutex_unlock(&a->lock);
+  out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
+}
+
+void ia_arena_reset_peaks(ia_arena_t *a) {
+  pthread_mutex_lock(&a->lock);
+  a->stats.in_use_peak = a->stats.in_use;
+  a->stats.capacity_peak = a->stats.capacity;
+  pthread_mutex_unlock(&a->lock);
+}
+
+/* Regions are reported oldest first, which keeps their indices stable as new ones are added. */
+static size_t regions_oldest_first(const ia_arena_t *a, region_t **out, size_t cap) {
+  size_t n = 0;
+  for (region_t *r = a->regions; r; r = r->next) n++;
+  size_t i = n;
+  for (region_t *r = a->regions; r; r = r->next)
+    if (--i < cap) out[i] = r;
+  return n;
+}
+
+size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
+  pthread_mutex_lock(&a->lock);
+  region_t **order = calloc(a->n_regions + 1, sizeof *order);
+  size_t n = order ? regions_oldest_first(a, order, a->n_regions) : 0;
+  for (size_t i = 0; i < n && i < cap; i++) out[i] = (ia_region_info_t){order[i]->base, order[i]->size};
+  free(order);
+  pthread_mutex_unlock(&a->lock);
+  return n;
+}
+
+size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
+  pthread_mutex_lock(&a->lock);
+  region_t **order = calloc(a->n_regions + 1, sizeof *order);
+  size_t n_regions = order ? regions_oldest_first(a, order, a->n_regions) : 0;
+  size_t n = 0;
+  for (size_t ri = 0; ri < n_regions; ri++)
+    for (block_t *b = order[ri]->first; b; b = b->phys_next, n++)
+      if (n < cap)
+        out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
+                                   .region_base = order[ri]->base, .region = (uint32_t)ri, .is_free = b->is_free, .stream = b->stream};
+  free(order);
+  pthread_mutex_unlock(&a->lock);
+  return n;
+}
+
+#define CHECK(cond, ...)                                                                            \
+  do {                                                                                              \
+    if (!(cond)) {                                                                                  \
+      snprintf(msg, msg_len, __VA_ARGS__);                                                          \
+      goto broken;                                                                                  \
+    }                                                                                               \
+  } while (0)
+
+bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
+  pthread_mutex_lock(&a->lock);
+  uint64_t in_use = 0, free_bytes = 0, capacity = 0, requested = 0;
+  size_t live = 0, free_count = 0, binned = 0, n_regions = 0;
+  for (region_t *r = a->regions; r; r = r->next, n_regions++) {
+    CHECK(r->base % a->opts.alignment == 0, "region %#lx is not aligned", (unsigned long)r->base);
+    CHECK(r->first && r->first->addr == r->base && !r->first->phys_prev,
+          "region %#lx does not start with its first block", (unsigned long)r->base);
+    uintptr_t expect = r->base;
+    for (block_t *b = r->first; b; b = b->phys_next) {
+      CHECK(b->addr == expect, "gap or overlap at %#lx (block starts at %#lx)", (unsigned long)expect,
+            (unsigned long)b->addr);
+      CHECK(b->region == r, "block %#lx names the wrong region", (unsigned long)b->addr);
+      CHECK(b->size && b->size % a->opts.alignment == 0, "block %#lx has size %zu",
+            (unsigned long)b->addr, b->size);
+      CHECK(!b->phys_next || b->phys_next->phys_prev == b, "broken links after %#lx",
+            (unsigned long)b->addr);
+      expect += b->size;
+      if (b->is_free) {
+        CHECK(!b->phys_next || !b->phys_next->is_free, "free blocks %#lx and %#lx are neighbours",
+              (unsigned long)b->addr, (unsigned long)b->phys_next->addr);
+        unsigned fl, sl;
+        class_of(b->size, &fl, &sl);
+        CHECK(b->fl == fl && b->sl == sl, "free block %#lx filed in the wrong class",
+              (unsigned long)b->addr);
+        bool found = false;
+        for (block_t *x = a->bins[fl][sl]; x && !found; x = x->free_next) found = x == b;
+        CHECK(found, "free block %#lx missing from its class", (unsigned long)b->addr);
+        free_bytes += b->size;
+        free_count++;
+      } else {
+        CHECK(table_find(a, b->addr, NULL) == b, "live block %#lx missing from the live table",
+              (unsigned long)b->addr);
+        in_use += b->size;
+        requested += b->requested;
+        live++;
+      }
+    }
+    CHECK(expect == r->base + r->size, "blocks of region %#lx cover %zu of %zu bytes",
+          (unsigned long)r->base, (size_t)(expect - r->base), r->size);
+    capacity += r->size;
+  }
+  for (unsigned fl = 0; fl < FL_COUNT; fl++)
+    for (unsigned sl = 0; sl < SL_COUNT; sl++) {
+      bool bit = (a->sl_bitmap[fl] >> sl) & 1;
+      CHECK(bit == (a->bins[fl][sl] != NULL), "bitmap disagrees with class %u/%u", fl, sl);
+      for (block_t *x = a->bins[fl][sl]; x; x = x->free_next, binned++)
+        CHECK(x->is_free, "live block %#lx sits in a free class", (unsigned long)x->addr);
+    }
+  CHECK(binned == free_count, "%zu blocks in classes, %zu free blocks in regions", binned, free_count);
+  CHECK(live == a->table_count, "%zu live blocks, %zu in the live table", live, a->table_count);
+  CHECK(n_regions == a->stats.regions && capacity == a->stats.capacity, "region counters are off");
+  CHECK(in_use == a->stats.in_use && live == a->stats.blocks_in_use && requested == a->stats.requested,
+        "in-use counters are off: walked %lu bytes in %zu blocks, counted %lu in %lu",
+        (unsigned long)in_use, live, (unsigned long)a->stats.in_use,
+        (unsigned long)a->stats.blocks_in_use);
+  CHECK(free_bytes == a->stats.free_bytes && free_count == a->stats.free_blocks,
+        "free counters are off");
+  pthread_mutex_unlock(&a->lock);
+  if (msg_len) msg[0] = '\0';
+  return true;
+broken:
+  pthread_mutex_unlock(&a->lock);
+  return false;
+}

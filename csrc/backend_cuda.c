@@ -1,0 +1,208 @@
+/* CUDA backend over the CUDA runtime, loaded with dlopen so the core builds and imports on machines
+ * without CUDA. Only the handful of entry points below are used; their C types are restated here
+ * (handles are pointers, errors are ints) instead of including cuda_runtime_api.h.
+ *
+ * The runtime loaded should be the one PyTorch already loaded, so that both share its state; the
+ * Python layer passes that library's path. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+enum {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_MEMORY_ALLOCATION = 2,
+  CUDA_ERROR_NOT_READY = 600,
+  CUDA_EVENT_DISABLE_TIMING = 2,
+};
+
+#define CUDART_FUNCTIONS(X)                                                                         \
+  X(cudaMalloc, int, (void **, size_t))                                                          \
+  X(cudaFree, int, (void *))                                                                      \
+  X(cudaGetDevice, int, (int *))                                                                  \
+  X(cudaSetDevice, int, (int))                                                                    \
+  X(cudaGetDeviceCount, int, (int *))                                                             \
+  X(cudaEventCreateWithFlags, int, (void **, unsigned))                                          \
+  X(cudaEventDestroy, int, (void *))                                                              \
+  X(cudaEventRecord, int, (void *, void *))                                                       \
+  X(cudaEventQuery, int, (void *))                                                                \
+  X(cudaStreamWaitEvent, int, (void *, void *, unsigned))                                         \
+  X(cudaMemGetInfo, int, (size_t *, size_t *))                                                    \
+  X(cudaDeviceGetAttribute, int, (int *, int, int))                                               \
+  X(cudaGetLastError, int, (void))                                                                \
+  X(cudaGetErrorString, const char *, (int))
+
+static struct {
+#define DECLARE(name, ret, args) ret(*name) args;
+  CUDART_FUNCTIONS(DECLARE)
+#undef DECLARE
+  void *handle;
+} rt;
+
+static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
+static __thread char last_error[512];
+
+const char *ia_cuda_last_error(void) { return last_error; }
+
+static ia_status_t fail(int err, const char *what) {
+  snprintf(last_error, sizeof last_error, "%s failed: %s (CUDA error %d)", what,
+           rt.cudaGetErrorString ? rt.cudaGetErrorString(err) : "?", err);
+  /* Clear the runtime's last error so PyTorch's next launch check does not report ours. */
+  if (rt.cudaGetLastError) rt.cudaGetLastError();
+  return err == CUDA_ERROR_MEMORY_ALLOCATION ? IA_ERR_BACKEND_OUT_OF_MEMORY : IA_ERR_BACKEND;
+}
+
+ia_status_t ia_cuda_load(const char *cudart_path) {
+  pthread_mutex_lock(&load_lock);
+  ia_status_t st = IA_OK;
+  if (!rt.handle) {
+    static const char *const names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
+    void *h = NULL;
+    if (cudart_path) h = dlopen(cudart_path, RTLD_NOW | RTLD_LOCAL);
+    for (size_t i = 0; !cudart_path && !h && i < sizeof names / sizeof names[0]; i++)
+      h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (!h) {
+      snprintf(last_error, sizeof last_error, "cannot load the CUDA runtime (%s): %s",
+               cudart_path ? cudart_path : "none loaded in this process", dlerror());
+      st = IA_ERR_BACKEND;
+    } else {
+#define RESOLVE(name, ret, args)                                                                         \
+  if (st == IA_OK && !(*(void **)&rt.name = dlsym(h, #name))) {                                    \
+    snprintf(last_error, sizeof last_error, "the CUDA runtime lacks %s", #name);                    \
+    st = IA_ERR_BACKEND;                                                                            \
+  }
+      CUDART_FUNCTIONS(RESOLVE)
+#undef RESOLVE
+      if (st == IA_OK) rt.handle = h;
+      else dlclose(h);
+    }
+  }
+  pthread_mutex_unlock(&load_lock);
+  return st;
+}
+
+/* Runs the runtime calls of one backend operation with its device current, then puts back
+ * whichever device the caller had. */
+typedef struct {
+  int previous;
+  bool switched;
+} device_guard_t;
+
+static int guard_enter(device_guard_t *g, int device) {
+  g->switched = false;
+  int err = rt.cudaGetDevice(&g->previous);
+  if (err == CUDA_SUCCESS && g->previous != device) {
+    err = rt.cudaSetDevice(device);
+    g->switched = err == CUDA_SUCCESS;
+  }
+  return err;
+}
+
+static void guard_exit(device_guard_t *g) {
+  if (g->switched) rt.cudaSetDevice(g->previous);
+}
+
+typedef struct {
+  ia_backend_t base;
+  int device;
+} cuda_backend_t;
+
+static int device_of(ia_backend_t *b) { return ((cuda_backend_t *)b)->device; }
+
+static ia_status_t cuda_reserve(ia_backend_t *self, size_t size, void **out) {
+  device_guard_t g;
+  int err = guard_enter(&g, device_of(self));
+  if (err == CUDA_SUCCESS) err = rt.cudaMalloc(out, size);
+  guard_exit(&g);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaMalloc");
+}
+
+static void cuda_release(ia_backend_t *self, void *base, size_t size) {
+  (void)size;
+  device_guard_t g;
+  int err = guard_enter(&g, device_of(self));
+  if (err == CUDA_SUCCESS) err = rt.cudaFree(base);
+  guard_exit(&g);
+  if (err != CUDA_SUCCESS) fail(err, "cudaFree");
+}
+
+static ia_status_t cuda_event_create(ia_backend_t *self, void **event) {
+  device_guard_t g;
+  int err = guard_enter(&g, device_of(self));
+  if (err == CUDA_SUCCESS) err = rt.cudaEventCreateWithFlags(event, CUDA_EVENT_DISABLE_TIMING);
+  guard_exit(&g);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaEventCreateWithFlags");
+}
+
+static void cuda_event_destroy(ia_backend_t *self, void *event) {
+  (void)self;
+  rt.cudaEventDestroy(event);
+}
+
+static ia_status_t cuda_event_record(ia_backend_t *self, void *event, ia_stream_t stream) {
+  device_guard_t g;
+  int err = guard_enter(&g, device_of(self));
+  if (err == CUDA_SUCCESS) err = rt.cudaEventRecord(event, (void *)stream);
+  guard_exit(&g);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaEventRecord");
+}
+
+static bool cuda_event_done(ia_backend_t *self, void *event) {
+  (void)self;
+  int err = rt.cudaEventQuery(event);
+  if (err == CUDA_ERROR_NOT_READY) rt.cudaGetLastError();
+  return err == CUDA_SUCCESS;
+}
+
+static ia_status_t cuda_stream_wait(ia_backend_t *self, ia_stream_t stream, void *event) {
+  (void)self;
+  int err = rt.cudaStreamWaitEvent((void *)stream, event, 0);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaStreamWaitEvent");
+}
+
+static void cuda_destroy(ia_backend_t *self) { free(self); }
+
+ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backend_t **out) {
+  ia_status_t st = ia_cuda_load(cudart_path);
+  if (st != IA_OK) return st;
+  cuda_backend_t *c = calloc(1, sizeof *c);
+  if (!c) return IA_ERR_NO_HOST_MEMORY;
+  c->base = (ia_backend_t){
+      .name = "cuda",
+      .natural_alignment = 256,
+      .reserve = cuda_reserve,
+      .release = cuda_release,
+      .event_create = cuda_event_create,
+      .event_destroy = cuda_event_destroy,
+      .event_record = cuda_event_record,
+      .event_done = cuda_event_done,
+      .stream_wait = cuda_stream_wait,
+      .destroy = cuda_destroy,
+  };
+  c->device = device;
+  *out = &c->base;
+  return IA_OK;
+}
+
+ia_status_t ia_cuda_device_attribute(int device, int attribute, int *value) {
+  if (!rt.handle) return IA_ERR_BACKEND;
+  int err = rt.cudaDeviceGetAttribute(value, attribute, device);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaDeviceGetAttribute");
+}
+
+ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
+  if (!rt.handle) return IA_ERR_BACKEND;
+  device_guard_t g;
+  int err = guard_enter(&g, device);
+  if (err == CUDA_SUCCESS) err = rt.cudaMemGetInfo(free_bytes, total_bytes);
+  guard_exit(&g);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaMemGetInfo");
+}
+
+ia_status_t ia_cuda_device_count(int *count) {
+  if (!rt.handle) return IA_ERR_BACKEND;
+  int err = rt.cudaGetDeviceCount(count);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaGetDeviceCount");
+}
