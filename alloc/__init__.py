@@ -1,16 +1,23 @@
 """indexer-arena: a budget arena allocator for PyTorch serving workers.
 
-The C core (csrc/) owns the memory; this package is its Python face.
+The C core (csrc/) owns the memory; this package is its Python face. Importing it needs neither
+torch nor CUDA; ``install()`` needs both.
 """
 
-from .arena import STREAM_NONE, Arena, Block, Region, workspace_arena
+from .arena import STREAM_NONE, Arena, Block, HostGuard, Region, workspace_arena
 from .config import ENV_VAR, VLLM_BUDGET_VAR, Config, from_env
 from .errors import (ArenaError, ArenaOutOfMemory, BackendError, ConfigError, DoubleFree,
                      ForeignPointer, InstallError, InvalidFree, InvariantError)
+from .plugin import (device_arena, device_is_unified, in_workspace, install, is_installed,
+                     max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved,
+                     memory_stats, reserve, reset_peak_memory_stats, workspace)
 
 __all__ = [
-    "STREAM_NONE", "Arena", "Block", "Region", "workspace_arena",
+    "STREAM_NONE", "Arena", "Block", "HostGuard", "Region", "workspace_arena",
     "ENV_VAR", "VLLM_BUDGET_VAR", "Config", "from_env",
     "ArenaError", "ArenaOutOfMemory", "BackendError", "ConfigError", "DoubleFree",
     "ForeignPointer", "InstallError", "InvalidFree", "InvariantError",
+    "device_arena", "device_is_unified", "in_workspace", "install", "is_installed",
+    "max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
+    "memory_stats", "reserve", "reset_peak_memory_stats", "workspace",
 ]

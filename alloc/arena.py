@@ -51,6 +51,36 @@ class Region:
     size: int
 
 
+@dataclass(frozen=True)
+class HostGuard:
+    """Unified-memory guard for an arena's backend: every reservation first checks that host
+    memory stays above ``headroom`` after it. ``available``, a callable returning bytes, replaces
+    reading ``meminfo``/the cgroup (for simulating a machine running out)."""
+    headroom: int = 0
+    meminfo: str | None = None
+    cgroup_root: str | None = None
+    available: object = None
+
+
+def _guarded(inner, guard: HostGuard, keepalive: list):
+    opts = ffi.new("ia_guard_options_t *")
+    opts.headroom = guard.headroom
+    for field, value in (("meminfo_path", guard.meminfo), ("cgroup_root", guard.cgroup_root)):
+        if value is not None:
+            keepalive.append(ffi.new("char[]", value.encode()))
+            setattr(opts, field, keepalive[-1])
+    if guard.available is not None:
+        fn = guard.available
+        callback = ffi.callback("uint64_t(void *)", lambda _ctx: int(fn()), onerror=lambda *e: None)
+        keepalive.append(callback)
+        opts.available_fn = callback
+    out = ffi.new("ia_backend_t **")
+    status = lib.ia_guard_backend_create(inner, opts, out)  # takes `inner`, even on failure
+    if status != lib.IA_OK:
+        raise BackendError(f"could not create the host-memory guard: {status_text(status)}")
+    return out[0]
+
+
 def _new_backend(backend: str, device: int | None, host_limit: int | None, cudart: str | None):
     out = ffi.new("ia_backend_t **")
     if backend == "host":
@@ -83,11 +113,11 @@ class Arena:
                  device: int | None = None, growable: bool = False, region_min: int = 2 << 20,
                  region_round: int = 2 << 20, region_exact_above: int | None = None,
                  limit: int = 0, host_limit: int | None = None, cudart: str | None = None,
-                 name: str = "arena"):
-        for label, value in (("capacity", capacity), ("alignment", alignment), ("limit", limit)):
+                 guard: HostGuard | None = None, name: str = "arena"):
+        for label, value in (("capacity", capacity), ("limit", limit)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{label} must be a non-negative int, got {value!r}")
-        if alignment < 16 or alignment & (alignment - 1):
+        if not isinstance(alignment, int) or alignment < 16 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two >= 16, got {alignment}")
         if not growable and capacity == 0:
             raise ValueError("a fixed arena needs capacity > 0 (or pass growable=True)")
@@ -95,7 +125,11 @@ class Arena:
         self.backend_name = backend
         self.device = device
         self._lock = threading.Lock()
+        self._keepalive: list = []
         self._backend = _new_backend(backend, device, host_limit, cudart)
+        self._host_controls = self._backend
+        if guard is not None:
+            self._backend = _guarded(self._backend, guard, self._keepalive)
         opts = ffi.new("ia_arena_options_t *")
         lib.ia_arena_default_options(opts)
         opts.capacity = capacity
@@ -108,26 +142,40 @@ class Arena:
         out = ffi.new("ia_arena_t **")
         status = lib.ia_arena_create(opts, self._backend, out)  # takes the backend, even on failure
         if status != lib.IA_OK:
-            self._backend = ffi.NULL
-            detail = ffi.string(lib.ia_cuda_last_error()).decode() if backend == "cuda" else ""
-            raise ArenaOutOfMemory(
-                f"{name}: the {backend} backend could not reserve {fmt_bytes(capacity)} "
-                f"({status_text(status)}{'; ' + detail if detail else ''})",
-                requested=capacity, stats={}) if status in (
-                    lib.IA_ERR_BACKEND_OUT_OF_MEMORY, lib.IA_ERR_HOST_MEMORY_GUARD) else BackendError(
-                f"{name}: could not create the arena: {status_text(status)}")
+            self._backend = self._host_controls = ffi.NULL
+            why = self._backend_detail(status) or status_text(status)
+            if status in (lib.IA_ERR_BACKEND_OUT_OF_MEMORY, lib.IA_ERR_HOST_MEMORY_GUARD):
+                raise ArenaOutOfMemory(f"{name}: could not reserve {fmt_bytes(capacity)} from the "
+                                       f"{backend} backend: {why}", requested=capacity, stats={})
+            raise BackendError(f"{name}: could not create the arena: {why}")
         self._arena = out[0]
+        self._owned = True
         self.capacity = capacity
         self.alignment = alignment
         self.growable = growable
 
+    @classmethod
+    def view(cls, handle, *, name: str, backend: str, device: int | None = None) -> Arena:
+        """A non-owning view of an arena the C core owns (the plugin's per-device arenas)."""
+        self = cls.__new__(cls)
+        self.name, self.backend_name, self.device = name, backend, device
+        self._lock = threading.Lock()
+        self._arena, self._backend, self._owned = handle, ffi.NULL, False
+        self._host_controls, self._keepalive = ffi.NULL, []
+        self.alignment = int(lib.ia_arena_alignment(handle))
+        s = self.stats()
+        self.capacity, self.growable = s["capacity"], None
+        return self
+
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
+        if not getattr(self, "_owned", False):
+            return
         with self._lock:
-            if getattr(self, "_arena", ffi.NULL) != ffi.NULL:
+            if self._arena != ffi.NULL:
                 lib.ia_arena_destroy(self._arena)
                 self._arena = ffi.NULL
-                self._backend = ffi.NULL
+                self._backend = self._host_controls = ffi.NULL
 
     def __enter__(self) -> Arena:
         return self
@@ -214,7 +262,7 @@ class Arena:
         if self.backend_name != "host":
             raise ValueError("stream simulation controls exist only on the host backend")
         self._handle()
-        return self._backend
+        return self._host_controls
 
     def set_auto_complete(self, on: bool) -> None:
         lib.ia_host_set_auto_complete(self._host_backend(), on)
@@ -234,11 +282,18 @@ class Arena:
                 f"{s['blocks_in_use']} blocks, free {fmt_bytes(s['free_bytes'])}, largest free block "
                 f"{fmt_bytes(s['largest_free'])}")
 
+    def _backend_detail(self, status: int) -> str:
+        if status == lib.IA_ERR_HOST_MEMORY_GUARD:
+            return ffi.string(lib.ia_guard_last_message()).decode()
+        if self.backend_name == "cuda" and status in (lib.IA_ERR_BACKEND, lib.IA_ERR_BACKEND_OUT_OF_MEMORY):
+            return ffi.string(lib.ia_cuda_last_error()).decode()
+        return ""
+
     def _out_of_memory(self, size: int, status: int) -> Exception:
         stats = self.stats()
-        what = status_text(status)
-        if status == lib.IA_ERR_BACKEND and self.backend_name == "cuda":
-            return BackendError(f"{self.name}: {ffi.string(lib.ia_cuda_last_error()).decode()}")
+        what = self._backend_detail(status) or status_text(status)
+        if status == lib.IA_ERR_BACKEND:
+            return BackendError(f"{self.name}: {what}")
         if status == lib.IA_ERR_NO_HOST_MEMORY:
             return MemoryError(f"{self.name}: {what}")
         return ArenaOutOfMemory(

@@ -19,6 +19,20 @@ ENV_VAR = "INDEXER_ARENA_CONF"
 VLLM_BUDGET_VAR = "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"
 
 
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
 def _positive_int(text: str) -> int:
     value = int(text, 10)
     if value <= 0:
@@ -53,6 +67,17 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "size of each device's workspace arena, reserved once (default 512)"),
     Key("alignment", _power_of_two_16, "a power of two >= 16 (bytes)",
         "alignment of every workspace block (default 256)"),
+    Key("unified", _choice("auto", "on", "off"), "auto, on or off",
+        "guard every device reservation against host memory, as unified-memory GPUs need "
+        "(default auto: on where the device reports itself integrated)"),
+    Key("host_headroom_mb", _non_negative_int, "a non-negative integer number of MiB",
+        "unified memory: host memory kept free beyond every reservation (default 4096)"),
+    Key("meminfo", _path, "a path to a file in /proc/meminfo format",
+        "unified memory: where MemAvailable is read (default /proc/meminfo)"),
+    Key("trace", _non_negative_int, "a non-negative integer (events)",
+        "record allocation events in a ring of this many entries (default 0: off)"),
+    Key("oom_report", _path, "a file path",
+        "on out-of-memory, write the memory report there and name it in the error (default: none)"),
 )}
 
 
@@ -60,10 +85,19 @@ KEYS: dict[str, Key] = {k.name: k for k in (
 class Config:
     budget_mb: int = 512
     alignment: int = 256
+    unified: str = "auto"
+    host_headroom_mb: int = 4096
+    meminfo: str = "/proc/meminfo"
+    trace: int = 0
+    oom_report: str | None = None
 
     @property
     def budget_bytes(self) -> int:
         return self.budget_mb << 20
+
+    @property
+    def host_headroom_bytes(self) -> int:
+        return self.host_headroom_mb << 20
 
     def replace(self, **changes) -> Config:
         for name, value in changes.items():

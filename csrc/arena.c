@@ -101,12 +101,49 @@ struct ia_arena {
   size_t n_streams, cap_streams;
   uint64_t free_seq;
 
+  ia_totals_t *totals;
+  ia_trace_t *trace;
+  int32_t trace_device;
+  uint8_t trace_pool;
+
   ia_stats_t stats;
 };
+
+static inline void trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
+                         ia_stream_t stream) {
+  if (a->trace) _ia_trace_record(a->trace, action, a->trace_device, a->trace_pool, address, size, stream);
+}
 
 void _ia_assert_fail(const char *cond, const char *file, int line) {
   fprintf(stderr, "indexer-arena: internal invariant broken: %s (%s:%d)\n", cond, file, line);
   abort();
+}
+
+static void raise_peak(_Atomic uint64_t *peak, uint64_t value) {
+  uint64_t seen = atomic_load_explicit(peak, memory_order_relaxed);
+  while (value > seen && !atomic_compare_exchange_weak_explicit(peak, &seen, value, memory_order_relaxed,
+                                                                memory_order_relaxed)) {
+  }
+}
+
+static void totals_add(ia_arena_t *a, int64_t in_use, int64_t capacity) {
+  ia_totals_t *t = a->totals;
+  if (!t) return;
+  if (in_use) raise_peak(&t->in_use_peak, atomic_fetch_add(&t->in_use, (uint64_t)in_use) + (uint64_t)in_use);
+  if (capacity)
+    raise_peak(&t->capacity_peak, atomic_fetch_add(&t->capacity, (uint64_t)capacity) + (uint64_t)capacity);
+}
+
+void _ia_totals_reset_peaks(ia_totals_t *t) {
+  atomic_store(&t->in_use_peak, atomic_load(&t->in_use));
+  atomic_store(&t->capacity_peak, atomic_load(&t->capacity));
+}
+
+void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
+  pthread_mutex_lock(&a->lock);
+  a->totals = t;
+  totals_add(a, (int64_t)a->stats.in_use, (int64_t)a->stats.capacity);
+  pthread_mutex_unlock(&a->lock);
 }
 
 /* ---- size classes ----------------------------------------------------------------------------- */
@@ -312,7 +349,9 @@ static ia_status_t region_add(ia_arena_t *a, size_t size) {
   b->is_free = true;
   bin_insert(a, b);
   a->stats.capacity += size;
+  totals_add(a, 0, (int64_t)size);
   a->stats.regions++;
+  trace(a, IA_TRACE_RESERVE, r->base, size, IA_STREAM_NONE);
   if (a->stats.capacity > a->stats.capacity_peak) a->stats.capacity_peak = a->stats.capacity;
   return IA_OK;
 }
@@ -322,9 +361,11 @@ static void region_drop(ia_arena_t *a, region_t *r) {
   while (*link != r) link = &(*link)->next;
   *link = r->next;
   a->n_regions--;
+  trace(a, IA_TRACE_RELEASE, r->base, r->size, IA_STREAM_NONE);
   a->backend->release(a->backend, r->raw, r->raw_size);
   a->stats.backend_releases++;
   a->stats.capacity -= r->size;
+  totals_add(a, 0, -(int64_t)r->size);
   a->stats.regions--;
   free(r);
 }
@@ -504,15 +545,20 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
       b->requested = size;
       ia_stats_t *s = &a->stats;
       s->in_use += b->size;
+      totals_add(a, (int64_t)b->size, 0);
       if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
       s->requested += size;
       s->blocks_in_use++;
       s->requests_served++;
       s->allocated_total += b->size;
       *out = (void *)b->addr;
+      trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
     }
   }
-  if (!b) a->stats.requests_failed++;
+  if (!b) {
+    a->stats.requests_failed++;
+    trace(a, IA_TRACE_FAIL, 0, size, stream);
+  }
   pthread_mutex_unlock(&a->lock);
   return b ? IA_OK : st;
 }
@@ -543,10 +589,12 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   table_remove_slot(a, slot);
   ia_stats_t *s = &a->stats;
   s->in_use -= b->size;
+  totals_add(a, -(int64_t)b->size, 0);
   s->requested -= b->requested;
   s->blocks_in_use--;
   s->frees++;
   s->freed_total += b->size;
+  trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
   b->is_free = true;
   b->requested = 0;
   b->stream = stream;
@@ -614,6 +662,14 @@ bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
 }
 
 size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
+
+void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
+  pthread_mutex_lock(&a->lock);
+  a->trace = t;
+  a->trace_device = device;
+  a->trace_pool = pool;
+  pthread_mutex_unlock(&a->lock);
+}
 
 static uint64_t largest_free_locked(const ia_arena_t *a) {
   if (!a->fl_bitmap) return 0;

@@ -68,6 +68,32 @@ ia_status_t ia_cuda_device_attribute(int device, int attribute, int *value);
 ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
 const char *ia_cuda_last_error(void);
 
+/* Unified memory: a backend wrapper that checks host memory before every reservation and commits
+ * the pages of what it reserves. Available host memory is MemAvailable from a meminfo-format file,
+ * bounded by the cgroup (v2 or v1) limit minus usage when one is set; `available_fn`, when given,
+ * replaces all of that (tests). A reservation that would leave less than `headroom` available is
+ * refused with IA_ERR_HOST_MEMORY_GUARD before the inner backend is asked. */
+typedef struct ia_host_memory {
+  uint64_t mem_available; /* MemAvailable, bytes */
+  uint64_t cgroup_limit;  /* 0: no cgroup limit found */
+  uint64_t cgroup_usage;
+  uint64_t available;     /* what the guard counts on */
+} ia_host_memory_t;
+
+typedef struct ia_guard_options {
+  const char *meminfo_path; /* NULL: /proc/meminfo */
+  const char *cgroup_root;  /* NULL: /sys/fs/cgroup; "" : ignore cgroups */
+  uint64_t headroom;
+  uint64_t (*available_fn)(void *ctx);
+  void *available_ctx;
+} ia_guard_options_t;
+
+ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_root, ia_host_memory_t *out);
+/* The guard takes the inner backend and destroys it with itself. */
+ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_t *opts, ia_backend_t **out);
+/* Why the last refusal or read failure of this thread happened. */
+const char *ia_guard_last_message(void);
+
 /* ------------------------------------------------------------------------------------------------
  * Statistics: one declaration per field. X(type, name, description)
  * ---------------------------------------------------------------------------------------------- */
@@ -168,5 +194,90 @@ size_t ia_arena_regions(ia_arena_t *arena, ia_region_info_t *out, size_t cap);
  * the live-block table agree with the blocks, the counters agree with the walk.
  * Returns true when all hold; otherwise writes what broke into msg. */
 bool ia_arena_check(ia_arena_t *arena, char *msg, size_t msg_len);
+
+/* ------------------------------------------------------------------------------------------------
+ * Tracing: a bounded ring of allocation events, shared by any number of arenas. When the ring is
+ * full the oldest events are overwritten and counted as dropped. Recording takes the trace's own
+ * lock (after the arena's); nothing on this path calls back into Python.
+ * ---------------------------------------------------------------------------------------------- */
+typedef enum ia_trace_action {
+  IA_TRACE_ALLOC = 0,
+  IA_TRACE_FREE = 1,
+  IA_TRACE_FAIL = 2,     /* an allocation refused; size is the request */
+  IA_TRACE_RESERVE = 3,  /* a region reserved from the backend; address is its base */
+  IA_TRACE_RELEASE = 4   /* a region given back to the backend */
+} ia_trace_action_t;
+
+typedef struct ia_trace_event {
+  uint64_t time_ns; /* CLOCK_REALTIME */
+  uint64_t thread;  /* kernel thread id */
+  uintptr_t address;
+  uint64_t size;    /* bytes asked for (alloc, fail), block size (free), region size */
+  ia_stream_t stream;
+  int32_t device;
+  uint8_t action;   /* ia_trace_action_t */
+  uint8_t pool;     /* the tag given to ia_arena_set_trace: which arena of the device */
+} ia_trace_event_t;
+
+typedef struct ia_trace ia_trace_t;
+
+ia_status_t ia_trace_create(size_t capacity, ia_trace_t **out);
+void ia_trace_destroy(ia_trace_t *trace);
+void ia_trace_set_enabled(ia_trace_t *trace, bool on);
+size_t ia_trace_capacity(const ia_trace_t *trace);
+/* Copies the held events oldest first (up to cap); returns how many are held. */
+size_t ia_trace_read(ia_trace_t *trace, ia_trace_event_t *out, size_t cap, uint64_t *dropped);
+void ia_trace_clear(ia_trace_t *trace);
+/* Events of this arena go to `trace` (NULL: none), tagged with device and pool. */
+void ia_arena_set_trace(ia_arena_t *arena, ia_trace_t *trace, int32_t device, uint8_t pool);
+
+/* ------------------------------------------------------------------------------------------------
+ * The PyTorch plugin: per-device arenas behind CUDAPluggableAllocator's entry points.
+ * ---------------------------------------------------------------------------------------------- */
+enum { IA_POOL_WORKSPACE = 0, IA_POOL_SMALL = 1, IA_POOL_LARGE = 2, IA_POOL_COUNT = 3 };
+
+typedef struct ia_plugin_config {
+  size_t budget;              /* bytes of each device's workspace arena */
+  size_t alignment;           /* of workspace blocks */
+  const char *cudart_path;    /* the CUDA runtime PyTorch loaded */
+  int unified;                /* -1: from the device's attributes, 0: off, 1: on */
+  uint64_t host_headroom;     /* unified memory: host bytes kept free */
+  const char *meminfo_path;   /* NULL: /proc/meminfo */
+  const char *cgroup_root;    /* NULL: /sys/fs/cgroup */
+  const char *oom_report_path;/* NULL: none; else written on every out-of-memory */
+  void (*raise_oom)(const char *message); /* throws c10::OutOfMemoryError; never returns */
+} ia_plugin_config_t;
+
+/* Refused (IA_ERR_INVALID_ARGUMENT) once any device has its arenas. */
+ia_status_t ia_plugin_configure(const ia_plugin_config_t *config);
+/* Creates the device's arenas now (they are otherwise created at its first allocation). */
+ia_status_t ia_plugin_reserve(int device);
+const char *ia_plugin_failure(void);
+ia_arena_t *ia_plugin_arena(int device, int pool); /* NULL until the device has its arenas */
+const char *ia_pool_name(int pool);
+bool ia_plugin_device_unified(int device);
+/* Device-wide sums over its pools; the peaks are true peaks of the sums. */
+typedef struct ia_device_totals {
+  uint64_t in_use, in_use_peak, capacity, capacity_peak;
+} ia_device_totals_t;
+ia_device_totals_t ia_plugin_device_totals(int device);
+void ia_plugin_reset_peaks(int device);
+uint64_t ia_plugin_ooms(void);
+uint64_t ia_plugin_retries(void);
+ia_status_t ia_plugin_trace_start(size_t capacity);
+ia_trace_t *ia_plugin_trace(void);
+bool ia_plugin_write_report(const char *path);
+
+/* The workspace scope of the calling thread: allocations inside go to the workspace arena. */
+void ia_workspace_enter(void);
+bool ia_workspace_exit(void); /* false when the thread is in no scope */
+int ia_workspace_depth(void);
+
+/* What PyTorch calls. The first two are looked up by name (exported); the others are handed to
+ * the allocator object as function pointers. Streams are cudaStream_t. */
+void *ia_torch_alloc(ssize_t size, int device, void *stream);
+void ia_torch_free(void *ptr, ssize_t size, int device, void *stream);
+void ia_torch_record_stream(void *ptr, void *stream);
+void ia_torch_empty_cache(void);
 
 #endif /* INDEXER_ARENA_H */

@@ -31,6 +31,8 @@ enum {
   X(cudaStreamWaitEvent, int, (void *, void *, unsigned))                                         \
   X(cudaMemGetInfo, int, (size_t *, size_t *))                                                    \
   X(cudaDeviceGetAttribute, int, (int *, int, int))                                               \
+  X(cudaMemset, int, (void *, int, size_t))                                                        \
+  X(cudaDeviceSynchronize, int, (void))                                                             \
   X(cudaGetLastError, int, (void))                                                                \
   X(cudaGetErrorString, const char *, (int))
 
@@ -128,6 +130,15 @@ static void cuda_release(ia_backend_t *self, void *base, size_t size) {
   if (err != CUDA_SUCCESS) fail(err, "cudaFree");
 }
 
+static ia_status_t cuda_commit(ia_backend_t *self, void *base, size_t size) {
+  device_guard_t g;
+  int err = guard_enter(&g, device_of(self));
+  if (err == CUDA_SUCCESS) err = rt.cudaMemset(base, 0, size);
+  if (err == CUDA_SUCCESS) err = rt.cudaDeviceSynchronize();
+  guard_exit(&g);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "committing a reservation (cudaMemset)");
+}
+
 static ia_status_t cuda_event_create(ia_backend_t *self, void **event) {
   device_guard_t g;
   int err = guard_enter(&g, device_of(self));
@@ -180,6 +191,7 @@ ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backe
       .event_done = cuda_event_done,
       .stream_wait = cuda_stream_wait,
       .destroy = cuda_destroy,
+      .commit = cuda_commit,
   };
   c->device = device;
   *out = &c->base;

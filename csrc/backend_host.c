@@ -77,6 +77,13 @@ static void host_release(ia_backend_t *self, void *base, size_t size) {
   pthread_mutex_unlock(&h->lock);
 }
 
+static ia_status_t host_commit(ia_backend_t *self, void *base, size_t size) {
+  (void)self;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  for (size_t off = 0; off < size; off += page) ((volatile char *)base)[off] = 0;
+  return IA_OK;
+}
+
 static ia_status_t host_event_create(ia_backend_t *self, void **event) {
   (void)self;
   *event = calloc(1, sizeof(host_event_t));
@@ -153,6 +160,7 @@ ia_status_t ia_host_backend_create(size_t limit_bytes, ia_backend_t **out) {
       .event_done = host_event_done,
       .stream_wait = host_stream_wait,
       .destroy = host_destroy,
+      .commit = host_commit,
   };
   pthread_mutex_init(&h->lock, NULL);
   h->limit = limit_bytes;

@@ -2,6 +2,8 @@
 #ifndef INDEXER_ARENA_INTERNAL_H
 #define INDEXER_ARENA_INTERNAL_H
 
+#include <stdatomic.h>
+
 #include "arena.h"
 
 #define IA_EXPORT __attribute__((visibility("default")))
@@ -29,10 +31,23 @@ struct ia_backend {
   bool (*event_done)(ia_backend_t *self, void *event);
   ia_status_t (*stream_wait)(ia_backend_t *self, ia_stream_t stream, void *event);
   void (*destroy)(ia_backend_t *self);
+  /* Optional: back every page of a reservation now (unified memory), so use never faults in more. */
+  ia_status_t (*commit)(ia_backend_t *self, void *base, size_t size);
 };
 
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
+
+/* Byte counts summed over several arenas (one device's pools), kept exact with atomics so that a
+ * device-wide peak is a true peak and not a sum of per-arena peaks. */
+typedef struct ia_totals {
+  _Atomic uint64_t in_use, in_use_peak, capacity, capacity_peak;
+} ia_totals_t;
+void _ia_arena_set_totals(ia_arena_t *arena, ia_totals_t *totals);
+void _ia_totals_reset_peaks(ia_totals_t *totals);
+
+void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t device, uint8_t pool,
+                      uintptr_t address, uint64_t size, ia_stream_t stream);
 
 /* "1.50 MiB"-style rendering for messages; writes into buf and returns it. */
 const char *_ia_format_bytes(uint64_t bytes, char *buf, size_t len);

@@ -1,0 +1,37 @@
+"""Host memory as the unified-memory guard sees it: MemAvailable, bounded by the cgroup limit.
+
+The reading itself is the C core's (the guard runs it before every reservation, with no Python on
+that path); this module only calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._core import ffi, lib
+from .errors import BackendError
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    mem_available: int
+    cgroup_limit: int | None
+    cgroup_usage: int | None
+    available: int
+
+
+def read(meminfo: str | None = None, cgroup_root: str | None = None) -> HostMemory:
+    """Reads ``meminfo`` (default /proc/meminfo) and the cgroup under ``cgroup_root`` (default
+    /sys/fs/cgroup, v2 or v1; "" to ignore cgroups)."""
+    out = ffi.new("ia_host_memory_t *")
+    args = [ffi.new("char[]", p.encode()) if p is not None else ffi.NULL for p in (meminfo, cgroup_root)]
+    if lib.ia_host_memory_read(args[0], args[1], out) != lib.IA_OK:
+        raise BackendError(ffi.string(lib.ia_guard_last_message()).decode())
+    limit = int(out.cgroup_limit) or None
+    return HostMemory(int(out.mem_available), limit, int(out.cgroup_usage) if limit else None,
+                      int(out.available))
+
+
+def available_bytes() -> int:
+    """What this machine can still give: MemAvailable bounded by the cgroup limit."""
+    return read().available

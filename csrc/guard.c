@@ -1,0 +1,164 @@
+/* The unified-memory guard. On an integrated GPU the device allocates from host memory, and the
+ * driver keeps granting reservations until the machine itself runs dry (then the process hangs in
+ * the driver instead of failing). So before every reservation the guard reads what the host can
+ * still give and refuses early, with a reason, when the request would eat into the headroom. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+static __thread char last_message[512];
+
+const char *ia_guard_last_message(void) { return last_message; }
+
+/* Reads one unsigned number from a file such as memory.max; "max" reads as no limit (0). */
+static bool read_limit_file(const char *path, uint64_t *out) {
+  FILE *f = fopen(path, "r");
+  if (!f) return false;
+  char text[64] = {0};
+  bool ok = fgets(text, sizeof text, f) != NULL;
+  fclose(f);
+  if (!ok) return false;
+  if (strncmp(text, "max", 3) == 0) {
+    *out = 0;
+    return true;
+  }
+  char *end;
+  unsigned long long v = strtoull(text, &end, 10);
+  if (end == text) return false;
+  /* cgroup v1 writes "no limit" as a page-rounded LONG_MAX */
+  *out = v >= (1ull << 62) ? 0 : (uint64_t)v;
+  return true;
+}
+
+static bool read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
+  static const char *const layouts[][2] = {
+      {"memory.max", "memory.current"},                            /* v2 */
+      {"memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"}, /* v1 */
+  };
+  char lpath[4096], upath[4096];
+  for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
+    snprintf(lpath, sizeof lpath, "%s/%s", root, layouts[i][0]);
+    snprintf(upath, sizeof upath, "%s/%s", root, layouts[i][1]);
+    if (read_limit_file(lpath, limit)) {
+      if (!*limit || !read_limit_file(upath, usage)) *usage = 0;
+      return true;
+    }
+  }
+  return false;
+}
+
+ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_root, ia_host_memory_t *out) {
+  *out = (ia_host_memory_t){0};
+  if (!meminfo_path) meminfo_path = "/proc/meminfo";
+  FILE *f = fopen(meminfo_path, "r");
+  if (!f) {
+    snprintf(last_message, sizeof last_message, "cannot read %s", meminfo_path);
+    return IA_ERR_BACKEND;
+  }
+  char line[256];
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) {
+    unsigned long long kib;
+    found = sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    if (found) out->mem_available = (uint64_t)kib << 10;
+  }
+  fclose(f);
+  if (!found) {
+    snprintf(last_message, sizeof last_message, "%s has no MemAvailable line", meminfo_path);
+    return IA_ERR_BACKEND;
+  }
+  out->available = out->mem_available;
+  if (!cgroup_root) cgroup_root = "/sys/fs/cgroup";
+  if (cgroup_root[0] && read_cgroup(cgroup_root, &out->cgroup_limit, &out->cgroup_usage) &&
+      out->cgroup_limit) {
+    uint64_t room = out->cgroup_limit > out->cgroup_usage ? out->cgroup_limit - out->cgroup_usage : 0;
+    if (room < out->available) out->available = room;
+  }
+  return IA_OK;
+}
+
+typedef struct {
+  ia_backend_t base;
+  ia_backend_t *inner;
+  ia_guard_options_t opts;
+  char *meminfo_path, *cgroup_root;
+} guard_backend_t;
+
+static guard_backend_t *guard(ia_backend_t *b) { return (guard_backend_t *)b; }
+
+static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
+  guard_backend_t *g = guard(self);
+  char need[32], avail[32], head[32];
+  ia_host_memory_t mem = {0};
+  if (g->opts.available_fn) {
+    mem.available = mem.mem_available = g->opts.available_fn(g->opts.available_ctx);
+  } else if (ia_host_memory_read(g->meminfo_path, g->cgroup_root, &mem) != IA_OK) {
+    return IA_ERR_HOST_MEMORY_GUARD; /* unknown host memory on a unified device: refuse */
+  }
+  if (size > mem.available || mem.available - size < g->opts.headroom) {
+    char cg[96] = "";
+    if (mem.cgroup_limit)
+      snprintf(cg, sizeof cg, ", cgroup limit %" PRIu64 " MiB with %" PRIu64 " MiB in use",
+               mem.cgroup_limit >> 20, mem.cgroup_usage >> 20);
+    snprintf(last_message, sizeof last_message,
+             "unified memory: reserving %s would leave less than the %s headroom of host memory "
+             "(available %s: MemAvailable %" PRIu64 " MiB%s); the GPU takes its memory from the "
+             "host here, so the request was refused before asking the driver",
+             _ia_format_bytes(size, need, sizeof need), _ia_format_bytes(g->opts.headroom, head, sizeof head),
+             _ia_format_bytes(mem.available, avail, sizeof avail), mem.mem_available >> 20, cg);
+    return IA_ERR_HOST_MEMORY_GUARD;
+  }
+  ia_status_t st = g->inner->reserve(g->inner, size, out);
+  /* Touch the pages now, so later use of the reservation needs no new host memory. */
+  if (st == IA_OK && g->inner->commit && (st = g->inner->commit(g->inner, *out, size)) != IA_OK)
+    g->inner->release(g->inner, *out, size);
+  return st;
+}
+
+#define FORWARD(name, ret, params, args)                                                            \
+  static ret guard_##name params { return guard(self)->inner->name args; }
+FORWARD(release, void, (ia_backend_t * self, void *base, size_t size), (guard(self)->inner, base, size))
+FORWARD(event_create, ia_status_t, (ia_backend_t * self, void **ev), (guard(self)->inner, ev))
+FORWARD(event_destroy, void, (ia_backend_t * self, void *ev), (guard(self)->inner, ev))
+FORWARD(event_record, ia_status_t, (ia_backend_t * self, void *ev, ia_stream_t s), (guard(self)->inner, ev, s))
+FORWARD(event_done, bool, (ia_backend_t * self, void *ev), (guard(self)->inner, ev))
+FORWARD(stream_wait, ia_status_t, (ia_backend_t * self, ia_stream_t s, void *ev), (guard(self)->inner, s, ev))
+#undef FORWARD
+
+static void guard_destroy(ia_backend_t *self) {
+  guard_backend_t *g = guard(self);
+  ia_backend_destroy(g->inner);
+  free(g->meminfo_path);
+  free(g->cgroup_root);
+  free(g);
+}
+
+ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_t *opts, ia_backend_t **out) {
+  *out = NULL;
+  guard_backend_t *g = calloc(1, sizeof *g);
+  if (!g) {
+    ia_backend_destroy(inner);
+    return IA_ERR_NO_HOST_MEMORY;
+  }
+  g->base = (ia_backend_t){
+      .name = "guarded",
+      .natural_alignment = inner->natural_alignment,
+      .reserve = guard_reserve,
+      .release = guard_release,
+      .event_create = guard_event_create,
+      .event_destroy = guard_event_destroy,
+      .event_record = guard_event_record,
+      .event_done = guard_event_done,
+      .stream_wait = guard_stream_wait,
+      .destroy = guard_destroy,
+  };
+  g->inner = inner;
+  g->opts = *opts;
+  g->meminfo_path = opts->meminfo_path ? strdup(opts->meminfo_path) : NULL;
+  g->cgroup_root = opts->cgroup_root ? strdup(opts->cgroup_root) : NULL;
+  *out = &g->base;
+  return IA_OK;
+}

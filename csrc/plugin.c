@@ -1,0 +1,382 @@
+/* The entry points PyTorch's CUDAPluggableAllocator calls, and the routing behind them.
+ *
+ * Each device gets three arenas on first use:
+ *   workspace  fixed, one reservation of the budget; serves allocations made while this thread is
+ *              inside a workspace scope (ia_workspace_enter/exit), and never asks for more memory;
+ *   small      growable, requests up to 1 MiB, 2 MiB regions;
+ *   large      growable, 20 MiB regions for requests under 10 MiB, exact 2 MiB multiples above.
+ * The general arenas are the caching layer for every other tensor: a freed block goes back to its
+ * arena, stream-ordered, and no tensor costs a cudaMalloc once its size class has a region.
+ * Region sizes follow PyTorch's own caching allocator so that peak memory stays comparable.
+ *
+ * Failure: PyTorch turns a NULL from the alloc function into a tensor at address 0, so this file
+ * never returns NULL for a non-zero request. It formats a message and calls the raise_oom hook,
+ * which throws c10::OutOfMemoryError from C++ (this file is built with -fexceptions so the throw
+ * can unwind through it; no lock is held at that point). Without a hook it aborts.
+ */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define MAX_DEVICES 64
+#define SMALL_REQUEST ((size_t)1 << 20)
+#define MiB ((size_t)1 << 20)
+#define ATTRIBUTE_INTEGRATED 18
+
+typedef struct {
+  _Atomic int ready; /* 0: not yet, 1: arenas exist, -1: creation failed */
+  ia_arena_t *arenas[IA_POOL_COUNT];
+  ia_totals_t totals;
+  bool unified;
+} device_slot_t;
+
+static struct {
+  pthread_mutex_t lock; /* guards configuration and device creation */
+  bool configured;
+  ia_plugin_config_t config;
+  char *cudart_path, *meminfo_path, *cgroup_root, *report_path;
+  ia_trace_t *trace;
+  device_slot_t devices[MAX_DEVICES];
+  _Atomic uint64_t ooms, retries;
+} plugin = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static __thread int workspace_depth;
+
+static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "large"};
+
+const char *ia_pool_name(int pool) { return pool >= 0 && pool < IA_POOL_COUNT ? pool_names[pool] : "?"; }
+
+static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
+
+ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
+  if (!config || !config->budget || !_ia_is_pow2(config->alignment) || config->alignment < 16)
+    return IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&plugin.lock);
+  ia_status_t st = IA_OK;
+  for (int d = 0; d < MAX_DEVICES; d++)
+    if (atomic_load(&plugin.devices[d].ready) == 1) st = IA_ERR_INVALID_ARGUMENT;
+  if (st == IA_OK) {
+    free(plugin.cudart_path);
+    free(plugin.meminfo_path);
+    free(plugin.cgroup_root);
+    free(plugin.report_path);
+    plugin.config = *config;
+    plugin.cudart_path = dup_or_null(config->cudart_path);
+    plugin.meminfo_path = dup_or_null(config->meminfo_path);
+    plugin.cgroup_root = dup_or_null(config->cgroup_root);
+    plugin.report_path = dup_or_null(config->oom_report_path);
+    plugin.config.cudart_path = plugin.cudart_path;
+    plugin.config.meminfo_path = plugin.meminfo_path;
+    plugin.config.cgroup_root = plugin.cgroup_root;
+    plugin.config.oom_report_path = plugin.report_path;
+    plugin.configured = true;
+  }
+  pthread_mutex_unlock(&plugin.lock);
+  return st;
+}
+
+static ia_status_t make_backend(int device, bool unified, ia_backend_t **out) {
+  ia_status_t st = ia_cuda_backend_create(device, plugin.cudart_path, out);
+  if (st != IA_OK || !unified) return st;
+  ia_guard_options_t g = {.meminfo_path = plugin.meminfo_path, .cgroup_root = plugin.cgroup_root,
+                          .headroom = plugin.config.host_headroom};
+  return ia_guard_backend_create(*out, &g, out);
+}
+
+static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
+  ia_totals_t *totals = &plugin.devices[device].totals;
+  ia_arena_options_t o;
+  ia_arena_default_options(&o);
+  if (pool == IA_POOL_WORKSPACE) {
+    o.capacity = plugin.config.budget;
+    o.alignment = plugin.config.alignment;
+  } else {
+    o.growable = true;
+    o.alignment = 512;
+    o.region_round = 2 * MiB;
+    o.region_min = pool == IA_POOL_SMALL ? 2 * MiB : 20 * MiB;
+    o.region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * MiB;
+  }
+  ia_backend_t *backend;
+  ia_status_t st = make_backend(device, unified, &backend);
+  if (st == IA_OK) st = ia_arena_create(&o, backend, out);
+  if (st == IA_OK) _ia_arena_set_totals(*out, totals);
+  if (st == IA_OK && plugin.trace) ia_arena_set_trace(*out, plugin.trace, device, (uint8_t)pool);
+  return st;
+}
+
+/* Why the last device creation or reservation of this thread failed. */
+static __thread char failure[1024];
+
+static void describe_backend_failure(ia_status_t st) {
+  const char *why = st == IA_ERR_HOST_MEMORY_GUARD ? ia_guard_last_message()
+                    : (st == IA_ERR_BACKEND || st == IA_ERR_BACKEND_OUT_OF_MEMORY) ? ia_cuda_last_error()
+                                                                                   : ia_status_str(st);
+  snprintf(failure, sizeof failure, "%s", why && why[0] ? why : ia_status_str(st));
+}
+
+static ia_status_t create_device(int device) {
+  device_slot_t *slot = &plugin.devices[device];
+  ia_status_t st = IA_OK;
+  pthread_mutex_lock(&plugin.lock);
+  if (atomic_load(&slot->ready) != 1) {
+    if (!plugin.configured) {
+      snprintf(failure, sizeof failure, "the allocator was loaded but never configured: call alloc.install()");
+      st = IA_ERR_INVALID_ARGUMENT;
+    }
+    if (st == IA_OK) st = ia_cuda_load(plugin.cudart_path);
+    bool unified = plugin.config.unified == 1;
+    if (st == IA_OK && plugin.config.unified < 0) {
+      int integrated = 0;
+      st = ia_cuda_device_attribute(device, ATTRIBUTE_INTEGRATED, &integrated);
+      unified = integrated == 1;
+    }
+    for (int p = 0; st == IA_OK && p < IA_POOL_COUNT; p++) st = make_arena(device, unified, p, &slot->arenas[p]);
+    if (st != IA_OK) {
+      describe_backend_failure(st);
+      for (int p = 0; p < IA_POOL_COUNT; p++) {
+        ia_arena_destroy(slot->arenas[p]);
+        slot->arenas[p] = NULL;
+      }
+    }
+    slot->unified = unified;
+    atomic_store(&slot->ready, st == IA_OK ? 1 : -1);
+  }
+  pthread_mutex_unlock(&plugin.lock);
+  return st;
+}
+
+static device_slot_t *device_slot(int device, ia_status_t *st) {
+  if (device < 0 || device >= MAX_DEVICES) {
+    snprintf(failure, sizeof failure, "device index %d is outside 0..%d", device, MAX_DEVICES - 1);
+    *st = IA_ERR_INVALID_ARGUMENT;
+    return NULL;
+  }
+  device_slot_t *slot = &plugin.devices[device];
+  *st = atomic_load_explicit(&slot->ready, memory_order_acquire) == 1 ? IA_OK : create_device(device);
+  return *st == IA_OK ? slot : NULL;
+}
+
+ia_status_t ia_plugin_reserve(int device) {
+  ia_status_t st;
+  device_slot(device, &st);
+  return st;
+}
+
+const char *ia_plugin_failure(void) { return failure; }
+
+ia_arena_t *ia_plugin_arena(int device, int pool) {
+  if (device < 0 || device >= MAX_DEVICES || pool < 0 || pool >= IA_POOL_COUNT) return NULL;
+  device_slot_t *slot = &plugin.devices[device];
+  return atomic_load_explicit(&slot->ready, memory_order_acquire) == 1 ? slot->arenas[pool] : NULL;
+}
+
+bool ia_plugin_device_unified(int device) {
+  return ia_plugin_arena(device, IA_POOL_WORKSPACE) && plugin.devices[device].unified;
+}
+
+ia_device_totals_t ia_plugin_device_totals(int device) {
+  ia_device_totals_t out = {0};
+  if (!ia_plugin_arena(device, IA_POOL_WORKSPACE)) return out;
+  ia_totals_t *t = &plugin.devices[device].totals;
+  out.in_use = atomic_load(&t->in_use);
+  out.in_use_peak = atomic_load(&t->in_use_peak);
+  out.capacity = atomic_load(&t->capacity);
+  out.capacity_peak = atomic_load(&t->capacity_peak);
+  return out;
+}
+
+void ia_plugin_reset_peaks(int device) {
+  if (!ia_plugin_arena(device, IA_POOL_WORKSPACE)) return;
+  for (int p = 0; p < IA_POOL_COUNT; p++) ia_arena_reset_peaks(plugin.devices[device].arenas[p]);
+  _ia_totals_reset_peaks(&plugin.devices[device].totals);
+}
+
+uint64_t ia_plugin_ooms(void) { return atomic_load(&plugin.ooms); }
+uint64_t ia_plugin_retries(void) { return atomic_load(&plugin.retries); }
+
+void ia_workspace_enter(void) { workspace_depth++; }
+bool ia_workspace_exit(void) {
+  if (workspace_depth <= 0) return false;
+  workspace_depth--;
+  return true;
+}
+int ia_workspace_depth(void) { return workspace_depth; }
+
+/* ---- tracing ---------------------------------------------------------------------------------- */
+
+ia_status_t ia_plugin_trace_start(size_t capacity) {
+  pthread_mutex_lock(&plugin.lock);
+  ia_status_t st = IA_OK;
+  if (!plugin.trace) st = ia_trace_create(capacity, &plugin.trace);
+  if (st == IA_OK) {
+    ia_trace_set_enabled(plugin.trace, true);
+    for (int d = 0; d < MAX_DEVICES; d++)
+      if (atomic_load(&plugin.devices[d].ready) == 1)
+        for (int p = 0; p < IA_POOL_COUNT; p++)
+          ia_arena_set_trace(plugin.devices[d].arenas[p], plugin.trace, d, (uint8_t)p);
+  }
+  pthread_mutex_unlock(&plugin.lock);
+  return st;
+}
+
+ia_trace_t *ia_plugin_trace(void) { return plugin.trace; }
+
+/* ---- the PyTorch entry points ----------------------------------------------------------------- */
+
+static void raise_oom(const char *message) {
+  atomic_fetch_add(&plugin.ooms, 1);
+  if (plugin.config.raise_oom) plugin.config.raise_oom(message); /* throws */
+  fprintf(stderr, "indexer-arena: %s\nindexer-arena: no out-of-memory hook is set; aborting\n", message);
+  abort();
+}
+
+static size_t describe_arena(ia_arena_t *a, char *buf, size_t len) {
+  ia_stats_t s;
+  ia_arena_stats(a, &s);
+  char cap[32], used[32], largest[32];
+  return (size_t)snprintf(buf, len, "holds %s, %s in use, largest free block %s",
+                          _ia_format_bytes(s.capacity, cap, sizeof cap),
+                          _ia_format_bytes(s.in_use, used, sizeof used),
+                          _ia_format_bytes(s.largest_free, largest, sizeof largest));
+}
+
+static void report_hint(char *buf, size_t len) {
+  if (!plugin.report_path) {
+    buf[0] = '\0';
+    return;
+  }
+  bool written = ia_plugin_write_report(plugin.report_path);
+  snprintf(buf, len, written ? " Memory report written to %s." : " (Could not write the memory report to %s.)",
+           plugin.report_path);
+}
+
+__attribute__((noinline)) static void fail_alloc(int device, int pool, size_t size, ia_status_t st) {
+  char message[2048], req[32], state[256], hint[512], budget[32];
+  _ia_format_bytes(size, req, sizeof req);
+  if (pool < 0) {
+    snprintf(message, sizeof message, "CUDA out of memory on device %d: cannot allocate %s: %s", device,
+             req, failure);
+    raise_oom(message);
+  }
+  ia_arena_t *a = plugin.devices[device].arenas[pool];
+  describe_arena(a, state, sizeof state);
+  report_hint(hint, sizeof hint);
+  if (pool == IA_POOL_WORKSPACE) {
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: workspace request of %s (%zu bytes) does not fit the "
+             "workspace arena (budget %s; it %s). The workspace arena never grows: raise budget_mb in "
+             "INDEXER_ARENA_CONF (or VLLM_SPARSE_INDEXER_MAX_LOGITS_MB), or plan smaller pieces.%s",
+             device, req, size, _ia_format_bytes(plugin.config.budget, budget, sizeof budget), state, hint);
+  } else {
+    char why[640] = "";
+    if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(why, sizeof why, " %s.", ia_guard_last_message());
+    else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(why, sizeof why, " %s.", ia_cuda_last_error());
+    else snprintf(why, sizeof why, " %s.", ia_status_str(st));
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: request of %s (%zu bytes) for the general %s pool "
+             "(it %s; the workspace arena holds a further %s).%s Free tensors or call "
+             "torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
+             "device more room.%s",
+             device, req, size, pool_names[pool], state,
+             _ia_format_bytes(plugin.config.budget, budget, sizeof budget), why, hint);
+  }
+  raise_oom(message);
+}
+
+IA_EXPORT void *ia_torch_alloc(ssize_t size, int device, void *stream) {
+  if (size <= 0) return NULL;
+  ia_status_t st;
+  device_slot_t *slot = device_slot(device, &st);
+  if (!slot) fail_alloc(device, -1, (size_t)size, st);
+  int pool = workspace_depth ? IA_POOL_WORKSPACE : (size_t)size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
+  void *p;
+  st = ia_arena_alloc(slot->arenas[pool], (size_t)size, (ia_stream_t)stream, &p);
+  if (st != IA_OK && pool != IA_POOL_WORKSPACE) {
+    /* The other general pool may be caching whole regions this request could use. */
+    if (ia_arena_release_cached(slot->arenas[IA_POOL_SMALL + IA_POOL_LARGE - pool])) {
+      atomic_fetch_add(&plugin.retries, 1);
+      st = ia_arena_alloc(slot->arenas[pool], (size_t)size, (ia_stream_t)stream, &p);
+    }
+  }
+  if (st != IA_OK) fail_alloc(device, pool, (size_t)size, st);
+  return p;
+}
+
+static ia_arena_t *owner(device_slot_t *slot, void *ptr, size_t size) {
+  if (ia_arena_owns(slot->arenas[IA_POOL_WORKSPACE], ptr)) return slot->arenas[IA_POOL_WORKSPACE];
+  return slot->arenas[size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE];
+}
+
+IA_EXPORT void ia_torch_free(void *ptr, ssize_t size, int device, void *stream) {
+  if (!ptr) return;
+  ia_status_t st;
+  device_slot_t *slot = device_slot(device, &st);
+  if (slot) st = ia_arena_free(owner(slot, ptr, (size_t)size), ptr, (ia_stream_t)stream);
+  /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
+  if (st != IA_OK)
+    fprintf(stderr, "indexer-arena: free(%p, %zd bytes, device %d) refused: %s\n", ptr, size, device,
+            ia_status_str(st));
+}
+
+void ia_torch_record_stream(void *ptr, void *stream) {
+  for (int d = 0; d < MAX_DEVICES; d++) {
+    device_slot_t *slot = &plugin.devices[d];
+    if (atomic_load(&slot->ready) != 1) continue;
+    for (int p = 0; p < IA_POOL_COUNT; p++)
+      if (ia_arena_record_stream(slot->arenas[p], ptr, (ia_stream_t)stream) == IA_OK) return;
+  }
+}
+
+void ia_torch_empty_cache(void) {
+  for (int d = 0; d < MAX_DEVICES; d++)
+    if (atomic_load(&plugin.devices[d].ready) == 1)
+      for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++) ia_arena_release_cached(plugin.devices[d].arenas[p]);
+}
+
+/* ---- the out-of-memory report ----------------------------------------------------------------- */
+
+/* JSON, so that `python -m alloc report FILE` reads it back: per device and pool, the statistics
+ * and every block. Written with stdio only: this runs while allocations fail. */
+bool ia_plugin_write_report(const char *path) {
+  FILE *f = fopen(path, "w");
+  if (!f) return false;
+  fprintf(f, "{\"format\": \"indexer-arena-report-1\", \"budget\": %zu, \"devices\": [", plugin.config.budget);
+  bool first_device = true;
+  for (int d = 0; d < MAX_DEVICES; d++) {
+    device_slot_t *slot = &plugin.devices[d];
+    if (atomic_load(&slot->ready) != 1) continue;
+    fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"pools\": [", first_device ? "" : ", ", d,
+            slot->unified ? "true" : "false");
+    first_device = false;
+    for (int p = 0; p < IA_POOL_COUNT; p++) {
+      ia_stats_t s;
+      ia_arena_stats(slot->arenas[p], &s);
+      fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", p ? ", " : "", pool_names[p]);
+      const char *sep = "";
+#define IA_STAT_JSON(type, name, doc)                                                               \
+  fprintf(f, _Generic(s.name, double: "%s\"%s\": %.6f", default: "%s\"%s\": %" PRIu64), sep, #name, s.name); \
+  sep = ", ";
+      IA_STAT_FIELDS(IA_STAT_JSON)
+#undef IA_STAT_JSON
+      fprintf(f, "}, \"blocks\": [");
+      size_t count = ia_arena_blocks(slot->arenas[p], NULL, 0);
+      ia_block_info_t *blocks = calloc(count + 1, sizeof *blocks);
+      if (blocks) count = ia_arena_blocks(slot->arenas[p], blocks, count);
+      for (size_t i = 0; blocks && i < count; i++)
+        fprintf(f, "%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %d, %" PRIu64 "]", i ? ", " : "",
+                (uint64_t)blocks[i].region_base, (uint64_t)(blocks[i].address - blocks[i].region_base),
+                blocks[i].size, blocks[i].requested, blocks[i].is_free ? 0 : 1, (uint64_t)blocks[i].stream);
+      free(blocks);
+      fprintf(f, "]}");
+    }
+    fprintf(f, "]}");
+  }
+  fprintf(f, "]}\n");
+  return fclose(f) == 0;
+}
