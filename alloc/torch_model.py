@@ -85,6 +85,8 @@ def allocation_size(rounded: int) -> int:
 class ModelOutOfMemory(MemoryError):
     """The modelled allocator could not get a segment within its capacity."""
 
+    chunk: int | None = None  # set by alloc.fit.replay: the workload chunk that failed
+
     def __init__(self, *, label: str, requested: int, segment: int, reserved: int, allocated: int,
                  capacity: int, retried: bool):
         self.label, self.requested, self.segment = label, requested, segment
