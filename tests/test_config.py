@@ -1,0 +1,72 @@
+import pytest
+
+from alloc import ArenaOutOfMemory, Config, ConfigError, from_env, workspace_arena
+from alloc.config import ENV_VAR, VLLM_BUDGET_VAR, parse
+
+
+def test_defaults_and_values():
+    assert from_env({}) == Config()
+    c = from_env({ENV_VAR: " budget_mb:64 , alignment:1024,unified:on,host_headroom_mb:0,trace:100"})
+    assert (c.budget_mb, c.alignment, c.unified, c.host_headroom_mb, c.trace) == (64, 1024, "on", 0, 100)
+    assert c.budget_bytes == 64 << 20
+
+
+def test_vllm_budget_variable():
+    assert from_env({VLLM_BUDGET_VAR: "256"}).budget_mb == 256
+    assert from_env({VLLM_BUDGET_VAR: "256", ENV_VAR: "budget_mb:256"}).budget_mb == 256
+    with pytest.raises(ConfigError, match="disagree") as e:
+        from_env({VLLM_BUDGET_VAR: "256", ENV_VAR: "budget_mb:512"})
+    assert e.value.key == "budget_mb"
+    with pytest.raises(ConfigError, match=f"{VLLM_BUDGET_VAR}.*greater than zero"):
+        from_env({VLLM_BUDGET_VAR: "0"})
+
+
+@pytest.mark.parametrize("text, key, value, reason", [
+    ("budget_mb:0", "budget_mb", "0", "greater than zero"),
+    ("budget_mb:-5", "budget_mb", "-5", "greater than zero"),
+    ("budget_mb:12.5", "budget_mb", "12.5", "not an integer"),
+    ("budget_mb:lots", "budget_mb", "lots", "not an integer"),
+    ("alignment:8", "alignment", "8", "power of two"),
+    ("alignment:96", "alignment", "96", "power of two"),
+    ("unified:maybe", "unified", "maybe", "one of auto, on, off"),
+    ("host_headroom_mb:-1", "host_headroom_mb", "-1", "not be negative"),
+    ("trace:x", "trace", "x", "not an integer"),
+    ("meminfo:", "meminfo", "", "not be empty"),
+    ("budgetmb:10", "budgetmb", "10", "unknown key"),
+    ("budget_mb", "budget_mb", "budget_mb", "missing ':'"),
+    ("budget_mb:1,budget_mb:2", "budget_mb", "2", "given twice"),
+])
+def test_bad_values_name_the_key_the_value_and_what_is_accepted(text, key, value, reason):
+    with pytest.raises(ConfigError) as e:
+        parse(text)
+    msg = str(e.value)
+    assert e.value.key == key and e.value.value == value
+    assert f"invalid value {value!r} for {key!r}" in msg
+    assert reason in msg and "accepted:" in msg and ENV_VAR in msg
+
+
+def test_replace_checks_like_the_environment():
+    assert Config().replace(budget_mb=32).budget_mb == 32
+    with pytest.raises(ConfigError, match="greater than zero"):
+        Config().replace(budget_mb=0)
+    with pytest.raises(ConfigError, match="unknown key"):
+        Config().replace(budget=32)
+
+
+def test_to_env_round_trips():
+    c = Config(budget_mb=64, unified="on", oom_report="/tmp/r.json")
+    assert from_env({ENV_VAR: c.to_env()}) == c
+
+
+def test_budget_over_what_the_backend_can_reserve_is_a_config_error():
+    with pytest.raises(ConfigError) as e:
+        workspace_arena(Config(budget_mb=1 << 30))
+    msg = str(e.value)
+    assert e.value.key == "budget_mb" and "1073741824" in msg and "MiB of host memory" in msg
+
+
+def test_workspace_arena_follows_the_config():
+    with workspace_arena(Config(budget_mb=2, alignment=4096)) as a:
+        assert a.stats()["capacity"] == 2 << 20 and a.allocate(1) % 4096 == 0
+        with pytest.raises(ArenaOutOfMemory):
+            a.allocate(2 << 20)
