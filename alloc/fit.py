@@ -356,15 +356,17 @@ def print_table(report: FitReport, file=None) -> None:
                       _mib(r.arena_bytes), note, style="red" if over else None)
     console.print(table)
     general = report.arena_peak - report.budget_bytes
-    console.print(f"available: {_mib(report.available_bytes)} ({report.available_source})")
-    console.print(f"default caching allocator: peak {_mib(report.default_peak)} in "
-                  f"{max(r.default_segments for r in report.rows)} segments; "
-                  f"{_where(report, report.default_crossing)}")
-    console.print(f"arena: {_mib(report.budget_bytes)} workspace + {_mib(general)} general path "
-                  f"(top-k outputs, bounds) = {_mib(report.arena_peak)}; "
-                  f"{_where(report, report.arena_crossing)}")
-    verdict = "[green]FITS[/green]" if report.fits else "[red]DOES NOT FIT[/red]"
-    console.print(f"verdict for the {report.allocator} allocator: {verdict}")
+    for line in (
+            f"available: {_mib(report.available_bytes)} ({report.available_source})",
+            f"default caching allocator: peak {_mib(report.default_peak)} in "
+            f"{max(r.default_segments for r in report.rows)} segments; "
+            f"{_where(report, report.default_crossing)}",
+            f"arena: {_mib(report.budget_bytes)} workspace + {_mib(general)} general path "
+            f"(top-k outputs, bounds) = {_mib(report.arena_peak)}; "
+            f"{_where(report, report.arena_crossing)}",
+            f"verdict for the {report.allocator} allocator: "
+            + ("[green]FITS[/green]" if report.fits else "[red]DOES NOT FIT[/red]")):
+        console.print(line, soft_wrap=True)  # whole lines, so that they can be grepped
 
 
 def write_plot(report: FitReport, path: str) -> None:

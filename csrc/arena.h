@@ -88,6 +88,18 @@ typedef struct ia_guard_options {
   void *available_ctx;
 } ia_guard_options_t;
 
+/* The CUDA device attributes that describe how a device reaches memory, and the decision drawn
+ * from them. */
+typedef struct ia_memory_attributes {
+  int integrated;                  /* cudaDevAttrIntegrated */
+  int pageable_memory_access;      /* cudaDevAttrPageableMemoryAccess */
+  int concurrent_managed_access;   /* cudaDevAttrConcurrentManagedAccess */
+  int uses_host_page_tables;       /* cudaDevAttrPageableMemoryAccessUsesHostPageTables */
+} ia_memory_attributes_t;
+
+ia_status_t ia_cuda_memory_attributes(int device, ia_memory_attributes_t *out);
+bool ia_memory_is_unified(const ia_memory_attributes_t *attributes);
+
 ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_root, ia_host_memory_t *out);
 /* The guard takes the inner backend and destroys it with itself. */
 ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_t *opts, ia_backend_t **out);

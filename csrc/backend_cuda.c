@@ -204,6 +204,15 @@ ia_status_t ia_cuda_device_attribute(int device, int attribute, int *value) {
   return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaDeviceGetAttribute");
 }
 
+ia_status_t ia_cuda_memory_attributes(int device, ia_memory_attributes_t *out) {
+  enum { INTEGRATED = 18, PAGEABLE = 88, CONCURRENT_MANAGED = 89, HOST_PAGE_TABLES = 100 };
+  ia_status_t st = ia_cuda_device_attribute(device, INTEGRATED, &out->integrated);
+  if (st == IA_OK) st = ia_cuda_device_attribute(device, PAGEABLE, &out->pageable_memory_access);
+  if (st == IA_OK) st = ia_cuda_device_attribute(device, CONCURRENT_MANAGED, &out->concurrent_managed_access);
+  if (st == IA_OK) st = ia_cuda_device_attribute(device, HOST_PAGE_TABLES, &out->uses_host_page_tables);
+  return st;
+}
+
 ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes) {
   if (!rt.handle) return IA_ERR_BACKEND;
   device_guard_t g;

@@ -11,6 +11,12 @@
 
 static __thread char last_message[512];
 
+/* Only an integrated GPU takes cudaMalloc memory from the host's RAM. A coherent discrete GPU
+ * (Grace Hopper: pageable access through host page tables, concurrent managed access) can read
+ * host memory, but its cudaMalloc still comes from its own HBM, which the driver accounts for and
+ * refuses properly; guarding it against MemAvailable would refuse reservations for no reason. */
+bool ia_memory_is_unified(const ia_memory_attributes_t *a) { return a->integrated == 1; }
+
 const char *ia_guard_last_message(void) { return last_message; }
 
 /* Reads one unsigned number from a file such as memory.max; "max" reads as no limit (0). */

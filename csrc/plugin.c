@@ -26,7 +26,6 @@
 #define MAX_DEVICES 64
 #define SMALL_REQUEST ((size_t)1 << 20)
 #define MiB ((size_t)1 << 20)
-#define ATTRIBUTE_INTEGRATED 18
 
 typedef struct {
   _Atomic int ready; /* 0: not yet, 1: arenas exist, -1: creation failed */
@@ -132,9 +131,9 @@ static ia_status_t create_device(int device) {
     if (st == IA_OK) st = ia_cuda_load(plugin.cudart_path);
     bool unified = plugin.config.unified == 1;
     if (st == IA_OK && plugin.config.unified < 0) {
-      int integrated = 0;
-      st = ia_cuda_device_attribute(device, ATTRIBUTE_INTEGRATED, &integrated);
-      unified = integrated == 1;
+      ia_memory_attributes_t attributes;
+      st = ia_cuda_memory_attributes(device, &attributes);
+      unified = st == IA_OK && ia_memory_is_unified(&attributes);
     }
     for (int p = 0; st == IA_OK && p < IA_POOL_COUNT; p++) st = make_arena(device, unified, p, &slot->arenas[p]);
     if (st != IA_OK) {

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One entry point that sets everything up on a fresh machine and then runs the job asked for.
+#   ./run.sh main    the seed workload: on a GPU, every allocator side by side; on the CPU, the
+#                    host-backed arena simulation of the same workload and the pre-launch fit check
+#   ./run.sh tests   the test suite (GPU tests run where CUDA is, and are skipped elsewhere)
+# Extra arguments go to the job. The environment lives in .venv (VENV=... to move it).
+set -euo pipefail
+cd "$(dirname "$0")"
+job="${1:-}"
+shift || true
+case "$job" in
+  main|tests) ;;
+  *) echo "usage: ./run.sh main|tests [args...]" >&2; exit 2 ;;
+esac
+
+venv="${VENV:-.venv}"
+python="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  # Reuse a CUDA build of torch that the system Python already has (GPU images) instead of
+  # downloading another one; otherwise the venv gets its own CPU build.
+  if "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    "$python" -m venv --system-site-packages "$venv"
+  else
+    "$python" -m venv "$venv"
+  fi
+fi
+py="$venv/bin/python"
+if ! "$py" -c "import torch" 2>/dev/null; then
+  "$py" -m pip install --quiet "torch==2.13.0"
+fi
+stamp="$venv/.installed-$(cat pyproject.toml setup.py csrc/*.c csrc/*.h | sha256sum | cut -c1-16)"
+if [ ! -e "$stamp" ]; then
+  "$py" -m pip install --quiet -e ".[test,torch]"
+  touch "$stamp"
+fi
+
+case "$job" in
+  main) exec "$py" benchmarks/seed_workload.py "$@" ;;
+  tests) exec "$py" -m pytest -q "$@" ;;
+esac
