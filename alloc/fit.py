@@ -265,7 +265,7 @@ def _available_from_host() -> tuple[int, str]:
                            f"{e}); pass available_bytes (--available-mb)") from None
     try:
         return int(available_bytes()), "this machine (alloc.hostmem.available_bytes)"
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # BackendError is a RuntimeError
         raise RuntimeError(f"cannot read this machine's available memory: {e}; pass "
                            "available_bytes (--available-mb)") from None
 
@@ -362,7 +362,7 @@ def print_table(report: FitReport, file=None) -> None:
             f"{max(r.default_segments for r in report.rows)} segments; "
             f"{_where(report, report.default_crossing)}",
             f"arena: {_mib(report.budget_bytes)} workspace + {_mib(general)} general path "
-            f"(top-k outputs, bounds) = {_mib(report.arena_peak)}; "
+            f"({'top-k outputs, ' if report.topk else ''}bounds) = {_mib(report.arena_peak)}; "
             f"{_where(report, report.arena_crossing)}",
             f"verdict for the {report.allocator} allocator: "
             + ("[green]FITS[/green]" if report.fits else "[red]DOES NOT FIT[/red]")):

@@ -1,8 +1,8 @@
 """A model of PyTorch's default CUDA caching allocator, one device and one stream.
 
-It follows ``DeviceCachingAllocator`` in c10/cuda/CUDACachingAllocator.cpp (torch 2.x; in recent
-main the same logic lives in c10/core/CachingDeviceAllocator.h) with the settings of
-c10/core/AllocatorConfig.h. What it keeps, with the constants of the real code:
+It follows ``DeviceCachingAllocator`` in c10/cuda/CUDACachingAllocator.cpp (torch 2.x; recent main
+moves the same logic into the device-generic ``CachingDeviceAllocatorImpl`` template in c10/core)
+with the settings of c10/core/AllocatorConfig.h. What it keeps, with the constants of the real code:
 
 - request rounding: below 512 bytes -> 512, otherwise up to a multiple of 512
   (``roundup_power2_divisions``, off by default, can round to power-of-two divisions instead);

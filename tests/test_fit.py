@@ -385,6 +385,28 @@ def test_available_memory_comes_from_hostmem_when_not_given(monkeypatch):
     assert report.fits
 
 
+def test_available_memory_of_this_machine(capsys):
+    hostmem = pytest.importorskip("alloc.hostmem")
+    assert main(["--json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert data["available_source"] == "this machine (alloc.hostmem.available_bytes)"
+    # MemAvailable moves between two readings; the order of magnitude does not.
+    assert 0.5 < data["available_bytes"] / hostmem.available_bytes() < 2
+
+
+def test_a_failing_hostmem_read_is_a_clear_error(monkeypatch, capsys):
+    from alloc.errors import BackendError
+
+    def broken() -> int:
+        raise BackendError("cannot open /proc/meminfo")
+    fake = types.ModuleType("alloc.hostmem")
+    fake.available_bytes = broken
+    monkeypatch.setitem(sys.modules, "alloc.hostmem", fake)
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert "cannot open /proc/meminfo" in err and "--available-mb" in err
+
+
 def test_missing_hostmem_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "alloc.hostmem", None)  # import of it raises ImportError
     with pytest.raises(RuntimeError, match="--available-mb"):
