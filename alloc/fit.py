@@ -18,7 +18,7 @@ chunks, compress ratio 4, 512 MiB; ``torch.cuda.memory_reserved``: 13,522 MiB at
   segment; with it the model gives 13,522 / 14,034 MiB and 54 segments, the measurement exactly;
 - the top-k output of each piece (int32 ``[rows, topk]``), while ``topk > 0``: it reserves one
   26 MiB segment more at the first chunk, and one at the second chunk instead of that chunk's
-  20 MiB logits segment: +32 MiB, 13,554 / 14,066 MiB (+0.24%). The measured run evidently kept
+  20 MiB logits segment: +32 MiB, 13,554 / 14,066 MiB (+0.24% / +0.23%). The measured run evidently kept
   its top-k indices out of the allocator (as vLLM does, in a buffer made at start-up), so
   ``topk=0`` reproduces it to the MiB; the default ``topk=2048`` is the conservative gate.
 

@@ -121,10 +121,10 @@ class CachingAllocatorModel:
     """PyTorch's caching allocator as bookkeeping only: no memory is touched.
 
     >>> m = CachingAllocatorModel()
-    >>> h = m.malloc(10_240_000)
-    >>> m.free(h)
-    >>> m.reserved, m.allocated
-    (10485760, 0)
+    >>> m.free(m.malloc(10_649_600))  # the seed's first logits piece: a 12 MiB segment
+    >>> m.free(m.malloc(20_480_000))  # the second does not fit it: 20 MiB more
+    >>> m.reserved // 2**20, m.allocated, m.num_segments
+    (32, 0, 2)
     """
 
     def __init__(self, capacity: int | None = None, *, retry_on_oom: bool = True,

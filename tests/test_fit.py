@@ -512,3 +512,10 @@ def test_main_through_python_c():
                           timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "first crosses the available memory at chunk 41" in proc.stdout
+
+
+def test_docstring_examples():
+    import doctest
+
+    import alloc.torch_model
+    assert doctest.testmod(alloc.torch_model).failed == 0
