@@ -373,6 +373,7 @@ def write_plot(report: FitReport, path: str) -> None:
     """Memory against tokens for both allocators, with the available memory, as a PNG."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import StrMethodFormatter
 
     # Each chunk's peak holds from its first token to its last: steps drawn on chunk ends.
     x = [0] + [r.tokens for r in report.rows]
@@ -395,6 +396,8 @@ def write_plot(report: FitReport, path: str) -> None:
     ax.set_ylabel("memory held (MiB)")
     ax.set_title(f"{report.chunk_tokens:,}-token chunks, compress ratio {report.compress_ratio}, "
                  f"budget {_mib(report.budget_bytes)}, top-k {report.topk}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper left")
     fig.tight_layout()
