@@ -1,0 +1,364 @@
+"""The indexer logits in Triton, dense and paged.
+
+``logits[i, j] = kv_scale[j] * sum_h relu(q[i, h, :] . kv[j, :]) * w[i, h]`` for
+``ks[i] <= j < ke[i]``, ``-inf`` elsewhere. q and kv are bf16, fp8 e4m3 (kv then carries its
+per-row float32 scale in ``kv_scale``; q's scale is folded into ``w`` as vLLM does) or float32;
+w and kv_scale are float32; the output is float32.
+
+Tiling: one program owns a ``BLOCK_M x BLOCK_N`` output tile. It loads its kv tile once, then
+loops over the heads: per head one ``[BLOCK_M, D] x [D, BLOCK_N]`` tensor-core product, whose
+relu is weighted by ``w[:, h]`` and accumulated in float32 registers. The relu sits between the
+product and the head sum, so heads cannot be folded into the product's K dimension; the kv
+tile stays in shared memory for all heads while q tiles stream through a software pipeline.
+Programs are ordered n-fastest so that the programs running together share one q block in L2.
+A tile whose columns lie wholly outside every row's ``[ks, ke)`` skips the products (causal
+rows cost about half of full rows) and, if ``clean``, writes ``-inf``.
+
+The paged variant reads kv rows through a block table: column ``j`` of the output is position
+``j - cu_kv[r]`` of request ``r`` (the request whose ``[cu_kv[r], cu_kv[r+1])`` holds j), found
+by a binary search over ``cu_kv`` once per tile, then page ``block_table[r, pos // PAGE]``,
+slot ``pos % PAGE``. Dense and paged share one kernel body; ``PAGED`` only changes where kv
+rows are read from, so for the same kv the two produce bit-identical logits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["LogitsConfig", "logits", "paged_logits", "default_config", "candidate_configs",
+           "set_config", "supported_dtypes", "row_stride_elems"]
+
+INT32_MAX = tl.constexpr(2**31 - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _request_of_column(p_cu_kv, o_n, num_reqs, n_steps):
+    # Largest r with cu_kv[r] <= j: with empty requests (repeated starts) that is the one
+    # request whose range holds j.
+    b_lo = tl.zeros_like(o_n)
+    b_hi = tl.zeros_like(o_n) + (num_reqs - 1)
+    for _ in range(n_steps):
+        b_mid = (b_lo + b_hi + 1) // 2
+        b_start = tl.load(p_cu_kv + b_mid)
+        b_go = b_start <= o_n
+        b_lo = tl.where(b_go, b_mid, b_lo)
+        b_hi = tl.where(b_go, b_hi, b_mid - 1)
+    return b_lo
+
+
+@triton.jit
+def _kv_row_offsets(o_n, m_n, p_block_table, p_cu_kv, num_reqs, n_steps,
+                    stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt,
+                    PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """int64 element offsets of kv rows and of their scales for output columns o_n."""
+    if PAGED:
+        b_req = _request_of_column(p_cu_kv, o_n, num_reqs, n_steps)
+        b_pos = o_n - tl.load(p_cu_kv + b_req, mask=m_n, other=0)
+        b_pos = tl.where(m_n, b_pos, 0)
+        b_page = tl.load(p_block_table + b_req.to(tl.int64) * stride_bt + b_pos // PAGE,
+                         mask=m_n, other=0).to(tl.int64)
+        b_slot = (b_pos % PAGE).to(tl.int64)
+        o_kv = b_page * stride_kv_0 + b_slot * stride_kv_1
+        o_sc = b_page * stride_sc_0 + b_slot * stride_sc_1
+    else:
+        o_kv = o_n.to(tl.int64) * stride_kv_0
+        o_sc = o_n.to(tl.int64) * stride_sc_0
+    return o_kv, o_sc
+
+
+@triton.jit
+def _logits_kernel(p_q, p_kv, p_kv_scale, p_w, p_ks, p_ke, p_out, p_block_table, p_cu_kv,
+                   M, N, num_reqs, n_steps,
+                   stride_qm, stride_qh, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
+                   stride_wm, stride_wh, stride_om, stride_bt,
+                   H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PAGED: tl.constexpr,
+                   PAGE: tl.constexpr, CLEAN: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = (pid_n * BLOCK_N).to(tl.int32) + tl.arange(0, BLOCK_N)
+    m_m = o_m < M
+    m_n = o_n < N
+    b_ks = tl.load(p_ks + o_m, mask=m_m, other=0)
+    b_ke = tl.load(p_ke + o_m, mask=m_m, other=0)
+    m_row = m_m & (b_ke > b_ks)
+    n_lo = tl.min(tl.where(m_row, b_ks, INT32_MAX))
+    n_hi = tl.max(tl.where(m_row, b_ke, 0))
+    n_0 = (pid_n * BLOCK_N).to(tl.int32)
+    o_out = o_m[:, None] * stride_om + o_n[None, :]
+    m_out = m_m[:, None] & m_n[None, :]
+    if (n_0 < n_hi) & (n_0 + BLOCK_N > n_lo):
+        o_kv, o_sc = _kv_row_offsets(o_n, m_n, p_block_table, p_cu_kv, num_reqs, n_steps,
+                                     stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
+                                     stride_bt, PAGED, PAGE)
+        o_d = tl.arange(0, D)
+        b_kv = tl.load(p_kv + o_kv[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_scale = tl.load(p_kv_scale + o_sc, mask=m_n, other=0.0)
+        p_q_rows = p_q + o_m[:, None] * stride_qm + o_d[None, :]
+        p_w_rows = p_w + o_m * stride_wm
+        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for h in tl.range(0, H, num_stages=NUM_STAGES):
+            b_q = tl.load(p_q_rows + h * stride_qh, mask=m_m[:, None], other=0.0)
+            b_w = tl.load(p_w_rows + h * stride_wh, mask=m_m, other=0.0)
+            b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=DOT_PRECISION)
+            b_acc += tl.maximum(b_s, 0.0) * b_w[:, None]
+        b_acc = b_acc * b_scale[None, :]
+        m_in = (o_n[None, :] >= b_ks[:, None]) & (o_n[None, :] < b_ke[:, None])
+        tl.store(p_out + o_out, tl.where(m_in, b_acc, float("-inf")), mask=m_out)
+    else:
+        if CLEAN:
+            b_inf = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+            tl.store(p_out + o_out, b_inf, mask=m_out)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LogitsConfig:
+    """Tile shape and pipeline depth of the logits kernel."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
+# Untuned starting points for Hopper (see benchmarks/bench_indexer.py --sweep): fp8 products
+# are twice as fast as bf16 ones, so fp8 takes the wider tile, which halves the q traffic per
+# flop; both keep the [BLOCK_M, BLOCK_N] float32 accumulator plus one product at ~128
+# registers a thread.
+_GPU_DEFAULTS = {
+    torch.bfloat16: LogitsConfig(128, 128, 8, 3),
+    torch.float16: LogitsConfig(128, 128, 8, 3),
+    torch.float32: LogitsConfig(64, 64, 4, 2),
+}
+if _FP8 is not None:
+    _GPU_DEFAULTS[_FP8] = LogitsConfig(64, 256, 8, 3)
+_CHOSEN: dict[tuple, LogitsConfig] = {}
+
+
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    return tuple(_GPU_DEFAULTS)
+
+
+def row_stride_elems(width: int) -> int:
+    """The row stride (float32 elements) a logits buffer of ``width`` columns gets: a multiple
+    of 4, i.e. of 16 bytes, as TMA needs, and at least 4."""
+    return max(4, -(-width // 4) * 4)
+
+
+def _interpreting(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def _key(dtype: torch.dtype, h: int, d: int, paged: bool) -> tuple:
+    return (dtype, h, d, paged)
+
+
+def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
+                   device: str = "cuda") -> LogitsConfig:
+    """The config a call uses when none is given: one chosen by ``set_config`` (the benchmark's
+    sweep can set it) or the built-in default for the dtype."""
+    if device == "cpu":
+        return _INTERPRETER_CONFIG
+    chosen = _CHOSEN.get(_key(dtype, h, d, paged))
+    if chosen is not None:
+        return chosen
+    cfg = _GPU_DEFAULTS.get(dtype, _GPU_DEFAULTS[torch.float32])
+    if d <= 64 and cfg.num_stages < 4:
+        # Half-size q tiles: room for a deeper pipeline.
+        cfg = LogitsConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages + 1)
+    return cfg
+
+
+def set_config(dtype: torch.dtype, h: int, d: int, paged: bool, config: LogitsConfig | None
+               ) -> None:
+    """Make ``config`` the default for this (dtype, H, D, paged); None restores the built-in."""
+    if config is None:
+        _CHOSEN.pop(_key(dtype, h, d, paged), None)
+    else:
+        _CHOSEN[_key(dtype, h, d, paged)] = config
+
+
+def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig]:
+    """Configs worth timing on a Hopper GPU: the accumulator and one product must fit in
+    registers (BLOCK_M * BLOCK_N / (32 * num_warps) <= 64 floats each), the kv tile plus
+    ``num_stages`` q tiles in shared memory."""
+    elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
+    out = []
+    for bm, bn, warps in ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8),
+                          (128, 256, 16), (256, 128, 16)):
+        if bm * bn // (32 * warps) > 64:
+            continue
+        for stages in (2, 3, 4):
+            smem = (bn * d + stages * bm * d) * elem
+            if smem <= 200 * 1024:
+                out.append(LogitsConfig(bm, bn, warps, stages))
+    return out
+
+
+def _check_out(out: torch.Tensor, m: int, n: int) -> None:
+    if out.dtype != torch.float32 or out.dim() != 2 or tuple(out.shape) != (m, n):
+        raise ValueError(f"out must be float32 [{m}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if n > 0 and m > 0 and out.stride(1) != 1:
+        raise ValueError("out must have unit column stride")
+    if m > 1 and (out.stride(0) * 4) % 16 != 0:
+        raise ValueError(f"out's row stride ({out.stride(0)} floats) must be a multiple of 16 "
+                         "bytes; take it from a buffer of row_stride_elems(width) columns")
+
+
+def _check_inputs(q, kv_dtype, kv_d, kv_scale, w, ks, ke) -> tuple[int, int, int]:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [M, H, D], got {tuple(q.shape)}")
+    m, h, d = q.shape
+    if q.dtype != kv_dtype:
+        raise ValueError(f"q and kv must share a dtype, got {q.dtype} and {kv_dtype}")
+    if q.dtype not in _GPU_DEFAULTS:
+        raise ValueError(f"unsupported dtype {q.dtype}; supported: {supported_dtypes()}")
+    if kv_d != d:
+        raise ValueError(f"kv head size {kv_d} != q head size {d}")
+    if d < 16 or d & (d - 1):
+        raise ValueError(f"D must be a power of two >= 16, got {d}")
+    if q.stride(2) != 1:
+        raise ValueError("q's last dimension must be contiguous")
+    if w.shape != (m, h) or w.dtype != torch.float32:
+        raise ValueError(f"w must be float32 [{m}, {h}], got {w.dtype} {tuple(w.shape)}")
+    if kv_scale.dtype != torch.float32:
+        raise ValueError(f"kv_scale must be float32, got {kv_scale.dtype}")
+    for name, t in (("ks", ks), ("ke", ke)):
+        if t.shape != (m,) or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [{m}], got {t.dtype} {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return m, h, d
+
+
+def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged, page,
+            strides_kv, strides_sc, stride_bt, clean, config):
+    m, h, d = q.shape
+    n = out.shape[1]
+    if m == 0 or n == 0:
+        return out
+    cfg = config or default_config(q.dtype, h, d, paged, q.device.type)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
+    _logits_kernel[grid](
+        q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv,
+        m, n, num_reqs, n_steps,
+        q.stride(0), q.stride(1), strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1],
+        w.stride(0), w.stride(1), out.stride(0), stride_bt,
+        H=h, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+        PAGED=paged, PAGE=page, CLEAN=clean,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# public functions
+# --------------------------------------------------------------------------------------------
+
+def logits(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, w: torch.Tensor,
+           ks: torch.Tensor, ke: torch.Tensor, out: torch.Tensor | None = None, *,
+           clean: bool = True, config: LogitsConfig | None = None) -> torch.Tensor:
+    """Indexer logits over a dense kv.
+
+    Shapes: q ``[M, H, D]`` and kv ``[N, D]`` in one of bf16, fp8 e4m3 or float32 (last dim
+    contiguous, D a power of two >= 16); kv_scale ``[N]`` float32; w ``[M, H]`` float32; ks, ke
+    ``[M]`` int32 with ``0 <= ks <= ke <= N``. ``out`` is float32 ``[M, N]`` with unit column
+    stride and a row stride that is a multiple of 16 bytes (a view of an arena buffer of
+    ``row_stride_elems(N)`` columns qualifies); without it one is allocated.
+
+    Entries outside ``[ks[i], ke[i])`` are ``-inf`` when ``clean`` (the default); with
+    ``clean=False`` tiles that lie wholly outside every row's range are not written at all,
+    which is what a top-k that reads only ``[ks, ke)`` needs. Returns ``out``.
+    """
+    if kv.dim() != 2 or kv.stride(1) != 1:
+        raise ValueError(f"kv must be [N, D] with contiguous rows, got {tuple(kv.shape)}")
+    m, h, d = _check_inputs(q, kv.dtype, kv.shape[1], kv_scale, w, ks, ke)
+    n = kv.shape[0]
+    if kv_scale.shape != (n,):
+        raise ValueError(f"kv_scale must be [{n}], got {tuple(kv_scale.shape)}")
+    if out is None:
+        out = torch.empty((m, row_stride_elems(n)), dtype=torch.float32, device=q.device)[:, :n]
+    _check_out(out, m, n)
+    return _launch(q, kv, kv_scale, w, ks, ke, out, ks, ks, 1, False, 1,
+                   (kv.stride(0), 0), (kv_scale.stride(0), 0), 0, clean, config)
+
+
+def kv_offsets(context_lens: torch.Tensor, compress_ratio: int) -> torch.Tensor:
+    """int32 ``[R + 1]``: where each request's compressed kv starts among the output columns,
+    ``cu[r + 1] - cu[r] = context_lens[r] // compress_ratio``."""
+    lens = torch.div(context_lens.to(torch.int64), compress_ratio, rounding_mode="floor")
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int64, device=context_lens.device)
+    torch.cumsum(lens, 0, out=cu[1:])
+    return cu.to(torch.int32)
+
+
+def paged_logits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor,
+                 w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor | None = None, compress_ratio: int = 1,
+                 out: torch.Tensor | None = None, *, n_cols: int | None = None,
+                 cu_kv: torch.Tensor | None = None, clean: bool = True,
+                 config: LogitsConfig | None = None) -> torch.Tensor:
+    """Indexer logits reading kv from a paged cache.
+
+    Shapes: kv_cache ``[num_blocks, PAGE, D]`` (rows contiguous; other strides free, so a view
+    into a packed page works) and kv_scale_cache ``[num_blocks, PAGE]`` float32;
+    block_table ``[R, max_blocks]`` int32; context_lens ``[R]`` int32, each request's
+    uncompressed length, so request r holds ``context_lens[r] // compress_ratio`` kv entries.
+    The output columns are those entries, requests concatenated in order, exactly as the dense
+    ``logits`` sees a kv gathered from the cache: request r's entry p is column
+    ``cu_kv[r] + p``, with ``cu_kv = kv_offsets(context_lens, compress_ratio)`` (pass
+    ``cu_kv`` directly to skip that computation). q, w, ks, ke and ``out`` are as in ``logits``;
+    ``n_cols`` (the total kv length) is needed only when ``out`` is not given.
+    """
+    if kv_cache.dim() != 3 or kv_cache.stride(2) != 1:
+        raise ValueError(f"kv_cache must be [num_blocks, PAGE, D] with contiguous rows, "
+                         f"got {tuple(kv_cache.shape)}")
+    m, h, d = _check_inputs(q, kv_cache.dtype, kv_cache.shape[2], kv_scale_cache, w, ks, ke)
+    page = kv_cache.shape[1]
+    if kv_scale_cache.shape != kv_cache.shape[:2]:
+        raise ValueError(f"kv_scale_cache must be {tuple(kv_cache.shape[:2])}, "
+                         f"got {tuple(kv_scale_cache.shape)}")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.stride(1) != 1:
+        raise ValueError("block_table must be int32 [R, max_blocks] with contiguous rows")
+    if compress_ratio < 1:
+        raise ValueError(f"compress_ratio must be >= 1, got {compress_ratio}")
+    if cu_kv is None:
+        if context_lens is None:
+            raise ValueError("give context_lens (with compress_ratio) or cu_kv")
+        cu_kv = kv_offsets(context_lens, compress_ratio)
+    num_reqs = cu_kv.numel() - 1
+    if num_reqs != block_table.shape[0] or cu_kv.dtype != torch.int32:
+        raise ValueError(f"cu_kv must be int32 [{block_table.shape[0] + 1}], got "
+                         f"{cu_kv.dtype} [{cu_kv.numel()}]")
+    if out is None:
+        if n_cols is None:
+            raise ValueError("without out, give n_cols (the total kv length)")
+        out = torch.empty((m, row_stride_elems(n_cols)), dtype=torch.float32,
+                          device=q.device)[:, :n_cols]
+    _check_out(out, m, out.shape[1])
+    return _launch(q, kv_cache, kv_scale_cache, w, ks, ke, out, block_table, cu_kv, num_reqs,
+                   True, page, (kv_cache.stride(0), kv_cache.stride(1)),
+                   (kv_scale_cache.stride(0), kv_scale_cache.stride(1)), block_table.stride(0),
+                   clean, config)
