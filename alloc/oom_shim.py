@@ -32,10 +32,11 @@ def cache_dir() -> pathlib.Path:
 
 def _compiler() -> list[str]:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if not cxx:
+    if not cxx or not shutil.which(shlex.split(cxx)[0]):
+        found = f"CXX={cxx!r} is not an executable" if cxx else "none was found"
         raise InstallError(
-            "building the out-of-memory shim needs a C++ compiler and none was found: install g++ "
-            "(or set CXX), or build it once where one exists with `python -m alloc build-shim` and "
+            f"building the out-of-memory shim needs a C++ compiler and {found}: install g++ (or "
+            "set CXX), or build it once where one exists with `python -m alloc build-shim` and "
             "share $INDEXER_ARENA_CACHE")
     return shlex.split(cxx)
 

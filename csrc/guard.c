@@ -102,7 +102,14 @@ static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
   if (g->opts.available_fn) {
     mem.available = mem.mem_available = g->opts.available_fn(g->opts.available_ctx);
   } else if (ia_host_memory_read(g->meminfo_path, g->cgroup_root, &mem) != IA_OK) {
-    return IA_ERR_HOST_MEMORY_GUARD; /* unknown host memory on a unified device: refuse */
+    /* Unknown host memory on a unified device: refusing is the only answer that cannot hang. */
+    char why[sizeof last_message];
+    snprintf(why, sizeof why, "%s", last_message);
+    snprintf(last_message, sizeof last_message,
+             "unified memory: %s, so the host memory left is unknown and the reservation of %s was "
+             "refused; point meminfo in INDEXER_ARENA_CONF at a readable file",
+             why, _ia_format_bytes(size, need, sizeof need));
+    return IA_ERR_HOST_MEMORY_GUARD;
   }
   if (size > mem.available || mem.available - size < g->opts.headroom) {
     char cg[96] = "";

@@ -137,7 +137,7 @@ static ia_status_t create_device(int device) {
     }
     for (int p = 0; st == IA_OK && p < IA_POOL_COUNT; p++) st = make_arena(device, unified, p, &slot->arenas[p]);
     if (st != IA_OK) {
-      describe_backend_failure(st);
+      if (plugin.configured) describe_backend_failure(st);
       for (int p = 0; p < IA_POOL_COUNT; p++) {
         ia_arena_destroy(slot->arenas[p]);
         slot->arenas[p] = NULL;

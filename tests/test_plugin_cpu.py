@@ -1,0 +1,105 @@
+"""The plugin's CPU-checkable parts: the out-of-memory path through the C++ shim, configuration
+order, the workspace scope and the statistics before any device exists."""
+
+import threading
+
+import pytest
+
+import alloc
+from conftest import run_python
+
+OOM_VIA_SHIM = """
+from alloc._core import ffi, lib
+from alloc import oom_shim
+c = ffi.new("ia_plugin_config_t *")
+c.budget, c.alignment, c.unified = 1 << 20, 256, 0
+cudart = ffi.new("char[]", b"/nonexistent/libcudart.so")
+c.cudart_path = cudart
+{hook}
+assert lib.ia_plugin_configure(c) == lib.IA_OK
+lib.ia_torch_alloc(4096, 0, ffi.NULL)
+print("returned")  # must never happen: a failed allocation never returns
+"""
+
+
+def test_out_of_memory_is_thrown_as_c10_out_of_memory_error():
+    done = run_python(OOM_VIA_SHIM.format(
+        hook='c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())'))
+    assert "returned" not in done.stdout
+    assert done.returncode != 0
+    # Nothing on the CPU catches it, so the C++ runtime names the type and the message as it dies.
+    assert "c10::OutOfMemoryError" in done.stderr, done.stderr
+    assert "CUDA out of memory on device 0: cannot allocate 4.00 KiB" in done.stderr
+    assert "/nonexistent/libcudart.so" in done.stderr
+
+
+def test_without_a_hook_it_aborts_with_the_message_instead_of_returning_null():
+    done = run_python(OOM_VIA_SHIM.format(hook=""))
+    assert "returned" not in done.stdout and done.returncode != 0
+    assert "no out-of-memory hook is set" in done.stderr
+    assert "CUDA out of memory on device 0" in done.stderr
+
+
+def test_an_unconfigured_plugin_says_to_install():
+    done = run_python("""
+from alloc._core import ffi, lib
+lib.ia_torch_alloc(4096, 0, ffi.NULL)
+""")
+    assert done.returncode != 0 and "call alloc.install()" in done.stderr
+
+
+def test_size_zero_and_null_free_need_nothing():
+    from alloc._core import ffi, lib
+    assert lib.ia_torch_alloc(0, 0, ffi.NULL) == ffi.NULL
+    lib.ia_torch_free(ffi.NULL, 0, 0, ffi.NULL)
+
+
+def test_install_without_cuda_is_a_clear_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(alloc.InstallError, match="no CUDA device"):
+        alloc.install()
+    assert not alloc.is_installed()
+    with pytest.raises(alloc.InstallError, match="install"):
+        alloc.reserve(0)
+
+
+def test_workspace_scope_nests_and_is_per_thread():
+    seen = []
+    assert not alloc.in_workspace()
+    with alloc.workspace():
+        with alloc.workspace():
+            assert alloc.in_workspace()
+        assert alloc.in_workspace()
+        t = threading.Thread(target=lambda: seen.append(alloc.in_workspace()))
+        t.start()
+        t.join()
+    assert not alloc.in_workspace() and seen == [False]
+    with pytest.raises(KeyError):
+        with alloc.workspace():
+            raise KeyError("the scope closes on errors too")
+    assert not alloc.in_workspace()
+
+
+def test_stats_of_a_device_without_arenas_are_zero():
+    s = alloc.memory_stats(0)
+    assert s["allocated_bytes.all.current"] == 0 and s["reserved_bytes.all.peak"] == 0
+    assert s["num_ooms"] == 0 and s["arena.workspace.capacity"] == 0
+    assert alloc.device_arena(0, "workspace") is None and alloc.memory_reserved(0) == 0
+
+
+def test_shim_builds_for_the_installed_torch(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from alloc import oom_shim
+    monkeypatch.setenv("INDEXER_ARENA_CACHE", str(tmp_path))
+    path = oom_shim.build()
+    assert path.parent == tmp_path and path.exists()
+    assert oom_shim.build() == path  # cached
+    monkeypatch.setenv("INDEXER_ARENA_CACHE", str(tmp_path / "other"))
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(alloc.InstallError, match="not an executable"):
+        oom_shim.build()
+    monkeypatch.setenv("CXX", "c++ -fno-such-option")
+    with pytest.raises(alloc.InstallError, match="building the out-of-memory shim failed"):
+        oom_shim.build()

@@ -1,0 +1,151 @@
+"""Unified memory on the CPU: detection from attributes, host-memory reading (meminfo, cgroups),
+the guard in front of the host backend, and the seed workload against a shrinking MemAvailable."""
+
+import pytest
+
+from alloc import Arena, ArenaOutOfMemory, BackendError, HostGuard
+from alloc.fit import fit, replay, seed_workload
+from alloc.hostmem import read
+from alloc.torch_model import CachingAllocatorModel, ModelOutOfMemory
+from alloc.unified import is_unified
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+@pytest.mark.parametrize("attributes, expected", [
+    ({"integrated": 1, "pageable_memory_access": 1, "concurrent_managed_access": 1,
+      "uses_host_page_tables": 1}, True),                      # GB10 / DGX Spark
+    ({"integrated": 1}, True),                                  # Jetson-class
+    ({"integrated": 0, "pageable_memory_access": 1, "concurrent_managed_access": 1,
+      "uses_host_page_tables": 1}, False),                     # Grace Hopper: HBM of its own
+    ({"integrated": 0, "concurrent_managed_access": 1}, False),  # a discrete H200
+])
+def test_detection_from_attributes(attributes, expected):
+    assert is_unified(attributes) is expected
+
+
+def test_detection_refuses_unknown_attributes():
+    with pytest.raises(ValueError, match="unknown attributes"):
+        is_unified({"integrated": 1, "coherent": 1})
+
+
+def meminfo(tmp_path, available_kib, name="meminfo"):
+    path = tmp_path / name
+    path.write_text(f"MemTotal:       131072000 kB\nMemFree:         1000 kB\n"
+                    f"MemAvailable:   {available_kib} kB\nBuffers:  5 kB\n")
+    return str(path)
+
+
+def cgroup(tmp_path, files: dict[str, str]):
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return str(root)
+
+
+def test_meminfo_without_cgroup(tmp_path):
+    m = read(meminfo(tmp_path, 1000), cgroup_root="")
+    assert m.mem_available == 1000 * 1024 and m.available == 1000 * 1024 and m.cgroup_limit is None
+
+
+def test_cgroup_v2_limit_bounds_what_is_available(tmp_path):
+    root = cgroup(tmp_path, {"memory.max": f"{8 * GiB}\n", "memory.current": f"{6 * GiB}\n"})
+    m = read(meminfo(tmp_path, 100 * GiB // 1024), root)
+    assert m.cgroup_limit == 8 * GiB and m.cgroup_usage == 6 * GiB and m.available == 2 * GiB
+
+
+def test_cgroup_v2_max_means_no_limit(tmp_path):
+    root = cgroup(tmp_path, {"memory.max": "max\n", "memory.current": "123\n"})
+    m = read(meminfo(tmp_path, 4 * MiB // 1024), root)
+    assert m.cgroup_limit is None and m.available == 4 * MiB
+
+
+def test_cgroup_v1_limit_and_its_unlimited_value(tmp_path):
+    root = cgroup(tmp_path, {"memory/memory.limit_in_bytes": f"{3 * GiB}\n",
+                             "memory/memory.usage_in_bytes": f"{GiB}\n"})
+    assert read(meminfo(tmp_path, 50 * GiB // 1024), root).available == 2 * GiB
+    root = cgroup(tmp_path, {"memory/memory.limit_in_bytes": "9223372036854771712\n",
+                             "memory/memory.usage_in_bytes": f"{GiB}\n"})
+    m = read(meminfo(tmp_path, 50 * GiB // 1024), root)
+    assert m.cgroup_limit is None and m.available == 50 * GiB
+
+
+def test_cgroup_usage_over_the_limit_leaves_nothing(tmp_path):
+    root = cgroup(tmp_path, {"memory.max": "100\n", "memory.current": "200\n"})
+    assert read(meminfo(tmp_path, GiB // 1024), root).available == 0
+
+
+def test_unreadable_meminfo_is_a_clear_error(tmp_path):
+    with pytest.raises(BackendError, match="cannot read"):
+        read(str(tmp_path / "missing"))
+    (tmp_path / "bad").write_text("MemTotal: 5 kB\n")
+    with pytest.raises(BackendError, match="no MemAvailable"):
+        read(str(tmp_path / "bad"))
+
+
+def test_guard_trips_exactly_where_available_memory_says():
+    available = [10 * MiB]
+    with Arena(0, growable=True, region_min=MiB, region_round=MiB,
+               guard=HostGuard(headroom=2 * MiB, available=lambda: available[0])) as a:
+        p = a.allocate(8 * MiB)  # 10 - 8 = 2 MiB left: exactly the headroom, allowed
+        with pytest.raises(ArenaOutOfMemory) as e:
+            a.allocate(MiB)  # the simulated machine has not shrunk: 10 - 1 = 9 left, allowed
+            available[0] = 2 * MiB + MiB - 1  # one byte short for a 1 MiB region
+            a.allocate(MiB)
+        msg = str(e.value)
+        assert "unified memory" in msg and "headroom" in msg and "refused before asking the driver" in msg
+        assert a.stats()["backend_failures"] == 1 and a.stats()["regions"] == 2
+        available[0] = 3 * MiB
+        q = a.allocate(MiB)  # usable afterwards
+        for x in (p, q):
+            a.free(x)
+        a.check()
+
+
+def test_guard_reads_a_meminfo_file(tmp_path):
+    path = meminfo(tmp_path, 3 * 1024)  # 3 MiB
+    guard = HostGuard(headroom=MiB, meminfo=path, cgroup_root="")
+    with Arena(2 * MiB, guard=guard) as a:  # 3 - 2 = 1 MiB left: fits
+        assert a.allocate(MiB)
+    with pytest.raises(ArenaOutOfMemory, match="could not reserve 2.00 MiB.*unified memory"):
+        Arena(2 * MiB + 4096, guard=guard)
+    with pytest.raises(ArenaOutOfMemory, match="unified memory"):
+        Arena(MiB, guard=HostGuard(meminfo=str(tmp_path / "missing")))
+
+
+def test_seed_workload_default_model_fails_where_predicted_and_the_arena_completes():
+    """8 GiB of host memory that shrinks by what the allocator reserves: PyTorch's allocator,
+    modelled, crosses at the chunk the fit check predicts (and on a unified device would hang
+    there); the arena, guarded and committed up front, serves all 254,000 tokens."""
+    available = 8 * GiB
+    budget = 512 * MiB
+    predicted = fit(262_144, 3_200, 4, 512, 254_000, available_bytes=available).default_crossing
+    assert predicted is not None
+    with pytest.raises(ModelOutOfMemory) as e:
+        replay(CachingAllocatorModel(capacity=available, retry_on_oom=False),
+               seed_workload(254_000, 3_200, 4, budget))
+    assert e.value.chunk == predicted
+
+    reserved = []
+    guard = HostGuard(available=lambda: available - sum(reserved))
+    workspace = Arena(budget, guard=guard, name="workspace")
+    reserved.append(workspace.stats()["capacity"])
+    general = Arena(0, growable=True, region_min=2 * MiB, region_round=2 * MiB, guard=guard, name="general")
+    tokens = 0
+    for plan in seed_workload(254_000, 3_200, 4, budget):
+        live = {}
+        for event in plan.events:
+            if hasattr(event, "nbytes"):
+                arena = workspace if event.workspace else general
+                live[event.key] = (arena, arena.allocate(event.nbytes))
+            else:
+                arena, address = live.pop(event.key)
+                arena.free(address)
+        reserved[1:] = [general.stats()["capacity"]]
+        tokens = plan.seen
+    assert tokens == 254_000
+    assert workspace.stats()["backend_reserves"] == 1 and workspace.stats()["in_use"] == 0
+    assert sum(reserved) < GiB
+    workspace.close()
+    general.close()
