@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Everything GPU-side in one call on a bare machine: install the carried wheels, build the C core
+# and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
+# writing logs and JSON under $OUT (default ./gpu-out).
+#   benchmarks/gpu_suite.sh [setup] [tests] [alloc-bench] [indexer] [replay] [two-gpu]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export INDEXER_ARENA_CACHE=/tmp/indexer-arena-cache
+py=python3
+status=0
+
+step() {  # step NAME COMMAND...: runs, logs to $OUT/NAME.log, remembers a failure
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" > >(tee "$OUT/$name.log") 2>&1
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  [ $rc -eq 0 ] || status=1
+}
+
+setup() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  fi
+  $py alloc/_build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  $py -m alloc build-shim || exit 1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+  grep -hE "cudaDevAttr(Integrated|PageableMemoryAccess|ConcurrentManagedAccess|PageableMemoryAccessUsesHostPageTables) *=" \
+    /usr/local/cuda/include/driver_types.h 2>/dev/null | head -4
+  $py -m alloc devices
+}
+
+for stage in "${@:-setup tests alloc-bench}"; do
+  case "$stage" in
+    setup) setup ;;
+    tests) step gpu_tests $py -m pytest -q -m gpu tests -x -p no:cacheprovider ;;
+    alloc-bench)
+      step seed_workload $py benchmarks/seed_workload.py --json "$OUT/seed_workload.json"
+      step torch_alloc $py benchmarks/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
+      step llama $py benchmarks/bench_llama.py --json "$OUT/llama.json"
+      step arena_micro $py benchmarks/bench_arena.py --json "$OUT/arena_micro.json" ;;
+    indexer) step indexer_bench $py benchmarks/bench_indexer.py --json "$OUT/indexer.json" ;;
+    replay)
+      step report_example $py benchmarks/report_example.py "$OUT/report"
+      step replay $py -m alloc replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+exit $status
