@@ -38,15 +38,15 @@ def core_library_path() -> str:
     return core.__file__
 
 
-def loaded_cudart() -> str:
-    """The CUDA runtime PyTorch loaded into this process (read from /proc/self/maps)."""
+def loaded_cudart() -> str | None:
+    """The CUDA runtime PyTorch loaded into this process (read from /proc/self/maps), or None when
+    torch links it statically (the core then loads libcudart by name)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             path = line.rsplit(None, 1)[-1]
             if "/libcudart.so" in path:
                 return path
-    raise InstallError("no libcudart is loaded in this process: this torch build has no CUDA "
-                       "runtime (a CPU build?), so there is nothing to install into")
+    return None
 
 
 def is_installed() -> bool:

@@ -28,7 +28,8 @@ def device_attributes(device: int) -> dict[str, int]:
     from .plugin import loaded_cudart
     if not torch.cuda.is_available():
         raise BackendError("no CUDA device is visible")
-    if lib.ia_cuda_load(loaded_cudart().encode()) != lib.IA_OK:
+    path = loaded_cudart()
+    if lib.ia_cuda_load(path.encode() if path else ffi.NULL) != lib.IA_OK:
         raise BackendError(ffi.string(lib.ia_cuda_last_error()).decode())
     out = ffi.new("ia_memory_attributes_t *")
     if lib.ia_cuda_memory_attributes(device, out) != lib.IA_OK:

@@ -2,7 +2,7 @@
 # Everything GPU-side in one call on a bare machine: install the carried wheels, build the C core
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON under $OUT (default ./gpu-out).
-#   benchmarks/gpu_suite.sh [setup] [tests] [alloc-bench] [indexer] [replay] [two-gpu]
+#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer] [replay]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
@@ -35,10 +35,12 @@ setup() {
   $py -m alloc devices
 }
 
-for stage in "${@:-setup tests alloc-bench}"; do
+for stage in "${@:-setup tests-alloc alloc-bench}"; do
   case "$stage" in
     setup) setup ;;
-    tests) step gpu_tests $py -m pytest -q -m gpu tests -x -p no:cacheprovider ;;
+    tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
+                   tests/test_plugin_gpu.py tests/test_plugin_cpu.py tests/test_unified.py ;;
+    tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer_gpu.py ;;
     alloc-bench)
       step seed_workload $py benchmarks/seed_workload.py --json "$OUT/seed_workload.json"
       step torch_alloc $py benchmarks/bench_torch_alloc.py --json "$OUT/torch_alloc.json"

@@ -63,11 +63,13 @@ ia_status_t ia_cuda_load(const char *cudart_path) {
     static const char *const names[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so"};
     void *h = NULL;
     if (cudart_path) h = dlopen(cudart_path, RTLD_NOW | RTLD_LOCAL);
-    for (size_t i = 0; !cudart_path && !h && i < sizeof names / sizeof names[0]; i++)
-      h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    /* Prefer a runtime already in the process; a torch that links it statically has none. */
+    for (int pass = 0; pass < 2; pass++)
+      for (size_t i = 0; !cudart_path && !h && i < sizeof names / sizeof names[0]; i++)
+        h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0));
     if (!h) {
       snprintf(last_error, sizeof last_error, "cannot load the CUDA runtime (%s): %s",
-               cudart_path ? cudart_path : "none loaded in this process", dlerror());
+               cudart_path ? cudart_path : "libcudart.so.13/.12", dlerror());
       st = IA_ERR_BACKEND;
     } else {
 #define RESOLVE(name, ret, args)                                                                         \
