@@ -1,0 +1,16 @@
+"""The sparse-attention indexer's prefill path: Triton logits (dense and paged, bf16 / fp8 /
+float32), a Triton top-k, the vLLM-compatible chunk planner and the prefill driver that takes
+every logits buffer from the workspace arena. Torch references live in ``indexer.reference``.
+"""
+
+from .logits import (LogitsConfig, kv_offsets, logits, paged_logits, row_stride_elems,
+                     supported_dtypes)
+from .planner import split_prefill_chunks, split_rows
+from .prefill import PagedKV, PrefillStats, prefill_topk, token_ranges
+from .topk import TopkConfig, topk
+
+__all__ = [
+    "LogitsConfig", "kv_offsets", "logits", "paged_logits", "row_stride_elems",
+    "supported_dtypes", "split_prefill_chunks", "split_rows", "PagedKV", "PrefillStats",
+    "prefill_topk", "token_ranges", "TopkConfig", "topk",
+]

@@ -1,0 +1,248 @@
+"""The indexer's prefill path: plan, logits pieces from the workspace arena, top-k.
+
+A prefill batch is R requests; request r brings ``query_lens[r]`` new tokens (rows of q and w,
+requests concatenated in order) and has ``seq_lens[r]`` tokens in all once they are added, so
+its new tokens sit at positions ``seq_lens[r] - query_lens[r] ..< seq_lens[r]``. Its kv holds
+``seq_lens[r] // compress_ratio`` entries and the token at position p sees the first
+``(p + 1) // compress_ratio`` of them. The result row of a token lists, relative to its
+request's first kv entry, the ``k`` entries with the largest logits (``-1`` pads).
+
+The logits of a piece are a ``rows x width`` float32 buffer. Its size follows the plan
+(``split_prefill_chunks``, vLLM's semantics), so every buffer fits ``max_logits_bytes``
+(one-row pieces excepted, as the planner documents) and each is allocated inside
+``alloc.workspace()`` — the arena when the allocator is installed — and released before the
+next one is taken. Nothing else is allocated inside that scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .logits import LogitsConfig, logits, paged_logits, row_stride_elems
+from .planner import split_prefill_chunks, split_rows
+from .topk import TopkConfig
+from .topk import default_config as topk_default_config
+from .topk import scratch_elems
+from .topk import topk as topk_rows
+
+__all__ = ["PagedKV", "PrefillStats", "prefill_topk", "token_ranges"]
+
+DEFAULT_MAX_LOGITS_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """A paged indexer kv cache: ``cache`` ``[num_blocks, PAGE, D]``, ``scale`` float32
+    ``[num_blocks, PAGE]`` and ``block_table`` int32 ``[R, max_blocks]`` (request r's kv entry
+    p is in page ``block_table[r, p // PAGE]``, slot ``p % PAGE``)."""
+    cache: torch.Tensor
+    scale: torch.Tensor
+    block_table: torch.Tensor
+
+
+@dataclass
+class PrefillStats:
+    """What a ``prefill_topk`` call did; pass one in to have it filled. Times are device times
+    (CUDA events) on a GPU and host times on the CPU; filling them synchronizes once at the end.
+    """
+    pieces: int = 0
+    max_piece_bytes: int = 0
+    logits_s: float = 0.0
+    topk_s: float = 0.0
+    piece_shapes: list[tuple[int, int]] = field(default_factory=list)
+    _marks: list = field(default_factory=list, repr=False)
+
+
+def _arena_scope() -> Callable[[], contextlib.AbstractContextManager]:
+    import alloc
+    scope = getattr(alloc, "workspace", None)
+    if scope is None:
+        # An alloc without workspace() has no arena to install either, so allocating outside
+        # one is what workspace() itself would do; say so once.
+        warnings.warn("alloc.workspace() is missing; logits buffers use the default allocator",
+                      RuntimeWarning, stacklevel=3)
+        return contextlib.nullcontext
+    return scope
+
+
+def _int_list(values, name: str) -> list[int]:
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    out = [int(v) for v in values]
+    if any(v < 0 for v in out):
+        raise ValueError(f"{name} must be >= 0")
+    return out
+
+
+def _prefix(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def token_ranges(query_lens: Sequence[int], seq_lens: Sequence[int], compress_ratio: int,
+                 group_of_request: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU int32 ``(ks, ke)`` per token: the kv columns a token sees, counted from the first kv
+    entry of ``group_of_request[r]`` (the first request of its piece; by default each request
+    starts its own count, as in the returned indices)."""
+    ql = _int_list(query_lens, "query_lens")
+    sl = _int_list(seq_lens, "seq_lens")
+    kvl = [s // compress_ratio for s in sl]
+    cu_kv = _prefix(kvl)
+    firsts = list(range(len(ql))) if group_of_request is None else list(group_of_request)
+    req = torch.repeat_interleave(torch.arange(len(ql)), torch.tensor(ql, dtype=torch.int64))
+    cu_q = torch.tensor(_prefix(ql), dtype=torch.int64)
+    local = torch.arange(req.numel(), dtype=torch.int64) - cu_q[req]
+    start_pos = torch.tensor([s - q for s, q in zip(sl, ql)], dtype=torch.int64)
+    base = torch.tensor([cu_kv[r] - cu_kv[g] for r, g in zip(range(len(ql)), firsts)],
+                        dtype=torch.int64)
+    ks = base[req]
+    ke = ks + torch.div(start_pos[req] + local + 1, compress_ratio, rounding_mode="floor")
+    return ks.to(torch.int32), ke.to(torch.int32)
+
+
+def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
+                 seq_lens: Sequence[int], *, kv: torch.Tensor | None = None,
+                 kv_scale: torch.Tensor | None = None, paged: PagedKV | None = None,
+                 k: int = 2048, max_logits_bytes: int = DEFAULT_MAX_LOGITS_BYTES,
+                 compress_ratio: int = 1, workspace_size: int | None = None,
+                 out: torch.Tensor | None = None,
+                 workspace: Callable[[], contextlib.AbstractContextManager] | None = None,
+                 stats: PrefillStats | None = None, logits_config: LogitsConfig | None = None,
+                 topk_config: TopkConfig | None = None) -> torch.Tensor:
+    """Top-k kv indices of every new token of a prefill batch, with bounded logits memory.
+
+    Shapes: q ``[T, H, D]`` and w ``[T, H]`` (float32) with ``T = sum(query_lens)``;
+    ``query_lens`` and ``seq_lens`` are host-side int sequences of length R (``seq_lens[r]``
+    uncompressed, ``>= query_lens[r]``). The kv is either dense — ``kv`` ``[sum_r
+    seq_lens[r] // compress_ratio, D]`` with ``kv_scale`` float32 of the same length, requests
+    concatenated — or ``paged`` (see PagedKV). ``workspace_size`` bounds the summed kv length of
+    the requests planned together (default: no bound). ``workspace`` replaces
+    ``alloc.workspace`` as the scope every logits buffer is allocated in.
+
+    Returns ``out`` (int32 ``[T, k]``, allocated if not given): per token, kv entries relative
+    to its request's first, ``-1`` padded.
+    """
+    if (kv is None) == (paged is None):
+        raise ValueError("give exactly one of kv (dense) or paged")
+    if compress_ratio < 1:
+        raise ValueError(f"compress_ratio must be >= 1, got {compress_ratio}")
+    if max_logits_bytes < 4:
+        raise ValueError("max_logits_bytes must allow at least one float")
+    ql = _int_list(query_lens, "query_lens")
+    sl = _int_list(seq_lens, "seq_lens")
+    if len(ql) != len(sl):
+        raise ValueError("query_lens and seq_lens must have the same length")
+    if any(q > s for q, s in zip(ql, sl)):
+        raise ValueError("each query_lens[r] must be <= seq_lens[r]")
+    kvl = [s // compress_ratio for s in sl]
+    cu_q, cu_kv = _prefix(ql), _prefix(kvl)
+    t_all = cu_q[-1]
+    if q.dim() != 3 or q.shape[0] != t_all or w.shape != (t_all, q.shape[1]):
+        raise ValueError(f"q must be [{t_all}, H, D] and w [{t_all}, H]; got "
+                         f"{tuple(q.shape)} and {tuple(w.shape)}")
+    if kv is not None:
+        if kv.shape[0] != cu_kv[-1] or kv_scale is None or kv_scale.shape != (cu_kv[-1],):
+            raise ValueError(f"dense kv must have {cu_kv[-1]} rows and kv_scale as many entries")
+    elif paged.block_table.shape[0] != len(ql):
+        raise ValueError("the block table needs one row per request")
+    device = q.device
+    if out is None:
+        out = torch.empty((t_all, k), dtype=torch.int32, device=device)
+    elif out.shape != (t_all, k) or out.dtype != torch.int32:
+        raise ValueError(f"out must be int32 [{t_all}, {k}]")
+    if t_all == 0:
+        return out
+
+    plan = split_prefill_chunks(kvl, ql, workspace_size if workspace_size is not None
+                                else cu_kv[-1], max_logits_bytes)
+    group_of = list(range(len(ql)))
+    for requests, _ in plan:
+        for r in range(requests.start, requests.stop):
+            group_of[r] = requests.start
+    ks_cpu, ke_cpu = token_ranges(ql, sl, compress_ratio, group_of)
+    # One host-to-device copy per call: ks, ke and, paged, each group's kv starts.
+    meta = [ks_cpu, ke_cpu]
+    cu_at = {}
+    if paged is not None:
+        at = 2 * t_all
+        for requests, _ in plan:
+            if requests.start not in cu_at:
+                cu_at[requests.start] = at
+                rel = [c - cu_kv[requests.start] for c in cu_kv[requests.start:requests.stop + 1]]
+                meta.append(torch.tensor(rel, dtype=torch.int32))
+                at += len(rel)
+    meta_dev = torch.cat(meta).to(device)
+    ks_dev, ke_dev = meta_dev[:t_all], meta_dev[t_all:2 * t_all]
+
+    scope = workspace or _arena_scope()
+    tcfg = topk_config or topk_default_config(k, device.type)
+    scratch = torch.empty(scratch_elems(2**31 - 1, device, tcfg), dtype=torch.int32,
+                          device=device)
+    timed = stats is not None
+    cuda = device.type == "cuda"
+
+    def mark():
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    for requests, queries in plan:
+        c0 = cu_kv[requests.start]
+        width = cu_kv[requests.stop] - c0
+        base = cu_q[requests.start]
+        rows = slice(base + queries.start, base + queries.stop)
+        if width == 0:
+            out[rows].fill_(-1)
+            continue
+        stride = row_stride_elems(width)
+        for piece in split_rows(rows, stride, max_logits_bytes):
+            m = piece.stop - piece.start
+            with scope():
+                buf = torch.empty((m, stride), dtype=torch.float32, device=device)
+            view = buf[:, :width]
+            if timed:
+                stats.pieces += 1
+                stats.max_piece_bytes = max(stats.max_piece_bytes, buf.numel() * 4)
+                stats.piece_shapes.append((m, width))
+                t0 = mark()
+            qp, wp, ksp, kep = q[piece], w[piece], ks_dev[piece], ke_dev[piece]
+            # clean=False: the top-k reads only [ks, ke), so tiles outside it stay unwritten.
+            if paged is None:
+                logits(qp, kv[c0:c0 + width], kv_scale[c0:c0 + width], wp, ksp, kep, view,
+                       clean=False, config=logits_config)
+            else:
+                at = cu_at[requests.start]
+                paged_logits(qp, paged.cache, paged.scale, wp, ksp, kep,
+                             paged.block_table[requests], out=view,
+                             cu_kv=meta_dev[at:at + requests.stop - requests.start + 1],
+                             clean=False, config=logits_config)
+            if timed:
+                t1 = mark()
+            topk_rows(view, ksp, kep, k, out[piece], scratch=scratch, config=tcfg)
+            if timed:
+                stats._marks.append((t0, t1, mark()))
+            # Give the block back before the next piece asks for one: at most one logits
+            # buffer is alive at a time.
+            del view, buf
+    if timed:
+        if cuda:
+            torch.cuda.synchronize(device)
+            for a, b, c in stats._marks:
+                stats.logits_s += a.elapsed_time(b) / 1e3
+                stats.topk_s += b.elapsed_time(c) / 1e3
+        else:
+            for a, b, c in stats._marks:
+                stats.logits_s += b - a
+                stats.topk_s += c - b
+        stats._marks.clear()
+    return out
