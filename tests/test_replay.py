@@ -1,0 +1,205 @@
+"""Trace replay: the host-backed arena reproduces a recorded trace's peak and fragmentation; the loop
+shared with the GPU workers replays what the trace says; the command line; the GPU side by side."""
+
+import json
+
+import pytest
+
+from alloc import export, replay
+from alloc.export import TraceFile
+from alloc.replay import ALLOC, FAIL, FREE, LARGE, SMALL, WORKSPACE
+from alloc.report import collect
+from alloc.trace import Event
+from trace_workload import BUDGET, MiB, record
+
+
+@pytest.fixture(scope="module")
+def rec():
+    r = record()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def files(rec, tmp_path_factory):
+    d = tmp_path_factory.mktemp("replay")
+    csv, snap = d / "trace.csv", d / "snapshot.pickle"
+    export.write_csv(rec.events, csv)
+    export.write_snapshot(export.to_snapshot(collect(rec.arenas), rec.events), snap)
+    return {"csv": csv, "snapshot": snap}
+
+
+def _layout(report: dict) -> dict:
+    """Per pool, the blocks relative to their regions (addresses differ from run to run)."""
+    out = {}
+    for dev in report["devices"]:
+        for pool in dev["pools"]:
+            bases = sorted({b[0] for b in pool["blocks"]})
+            out[pool["pool"]] = [(bases.index(b[0]), *b[1:5]) for b in pool["blocks"]]
+    return out
+
+
+@pytest.mark.parametrize("source", ["csv", "snapshot"])
+def test_host_replay_reproduces_peak_and_fragmentation(rec, files, source):
+    trace = export.load_trace(files[source])
+    result = replay.replay_host(trace, budget=BUDGET, keep_report=True)
+    ws, large = rec.arenas[(0, "workspace")].stats(), rec.arenas[(0, "large")].stats()
+    assert result["budget"] == BUDGET
+    assert result["failures"] == result["trace_failures"] == rec.failures > 0
+    assert result["unexpected_successes"] == 0
+    assert result["workspace_in_use_peak"] == ws["in_use_peak"]
+    assert result["fragmentation"] == ws["fragmentation"] and result["largest_free"] == ws["largest_free"]
+    replayed = result["arenas"]
+    for key, stats in (("0/workspace", ws), ("0/large", large)):
+        for name in ("in_use_peak", "capacity_peak", "capacity", "in_use", "free_blocks", "fragmentation",
+                     "requests_served", "requests_failed", "frees", "backend_reserves"):
+            assert replayed[key][name] == stats[name], (key, name)
+    assert result["peak_reserved_bytes"] == large["capacity_peak"] + BUDGET  # the sum over arenas
+    assert _layout(result["report"]) == _layout(collect(rec.arenas))
+    assert result["ops"] == sum(e.action in ("alloc", "free", "fail") for e in rec.events)
+    assert result["ops_per_s"] > 0
+
+
+def test_replay_on_a_smaller_budget_fails_more(rec, files):
+    trace = export.load_trace(files["csv"])
+    assert trace.budget is None  # a CSV does not say; the snapshot does
+    assert export.load_trace(files["snapshot"]).budget == BUDGET
+    result = replay.replay_host(trace, budget=BUDGET // 4)
+    assert result["failures"] > rec.failures and result["budget"] == BUDGET // 4
+
+
+def test_rmm_log_replays_on_the_general_pools(rec, tmp_path):
+    path = tmp_path / "rmm.csv"
+    export.write_csv(rec.events, path, extended=False)
+    trace = export.load_trace(path)
+    plan = replay.compile_trace(trace)
+    assert set(plan.pools) == {"small", "large"}
+    for kind, _slot, size, _d, pool, _s in plan.ops:
+        assert pool == (SMALL if size <= 1 << 20 else LARGE)
+    result = replay.replay_host(trace, plan=plan)
+    # without pools every request goes to the growable general arenas: the recorded failures (the
+    # workspace's budget overflowing) now succeed, and are freed at once
+    assert result["failures"] == 0 and result["unexpected_successes"] == plan.trace_failures
+    workspace_all = replay.compile_trace(trace, workspace_all=True)
+    assert set(workspace_all.pools) == {"workspace"}
+
+
+def _trace(*events) -> TraceFile:
+    evs = [Event(time_ns=i, thread=1, action=a, address=addr, size=size, stream=stream, device=0, pool=pool)
+           for i, (a, addr, size, stream, pool) in enumerate(events)]
+    return TraceFile(evs, "<test>", "csv", list(range(2, len(evs) + 2)))
+
+
+def test_compile_and_run_ops_with_a_fake_allocator():
+    trace = _trace(("alloc", 0x100, 1000, 0, "workspace"),
+                   ("alloc", 0x200, 3 << 20, 5, "general"),
+                   ("alloc", 0x300, 64, 0, "general"),
+                   ("free", 0x100, 1024, 0, "workspace"),
+                   ("fail", 0, 50, 0, "workspace"),       # recorded failure; fits in the fake: freed at once
+                   ("fail", 0, 10 << 20, 0, "workspace"),  # recorded failure; fails again
+                   ("alloc", 0x100, 2000, 0, "workspace"),
+                   ("free", 0x200, 3 << 20, 5, "general"),
+                   ("reserve", 0x1000, 1 << 21, 0, "small"))
+    plan = replay.compile_trace(trace)
+    assert [op[0] for op in plan.ops] == [ALLOC, ALLOC, ALLOC, FREE, FAIL, FAIL, ALLOC, FREE]
+    assert [op[4] for op in plan.ops] == [WORKSPACE, LARGE, SMALL, WORKSPACE, WORKSPACE, WORKSPACE,
+                                          WORKSPACE, LARGE]
+    assert plan.peak_live == 2000 + (3 << 20) + 64 and plan.peak_op == 6
+    assert plan.trace_failures == 2 and plan.slots == 4 and plan.streams == [0, 5]
+
+    log, live = [], {}
+
+    def allocate(size, device, pool, stream):
+        if sum(live.values()) + size > 5 << 20:
+            raise MemoryError("full")
+        handle = len(log)
+        live[handle] = size
+        log.append(("alloc", size, pool, stream))
+        return handle
+
+    def free(handle, stream):
+        log.append(("free", live.pop(handle), stream))
+
+    pools, samples = [], []
+    result = replay.run_ops(plan, allocate, free, set_pool=pools.append,
+                            sample=lambda: samples.append(sum(live.values())), sample_every=1000,
+                            sample_bytes=1 << 30)
+    assert log == [("alloc", 1000, WORKSPACE, 0), ("alloc", 3 << 20, LARGE, 5), ("alloc", 64, SMALL, 0),
+                   ("free", 1000, 0), ("alloc", 50, WORKSPACE, 0), ("free", 50, 0),
+                   ("alloc", 2000, WORKSPACE, 0), ("free", 3 << 20, 5)]
+    assert pools == [WORKSPACE, LARGE, SMALL, WORKSPACE, -1]  # only on changes, and a final exit
+    assert samples == [1000, plan.peak_live, 64 + 2000]  # op 0, the trace's peak, the end
+    assert (result.ops, result.failures, result.unexpected_successes) == (9, 1, 1)  # 6 requests, 3 frees
+    assert result.first_failure == "MemoryError: full"
+
+
+def test_cli_host_replay_writes_the_table_and_json(files, tmp_path, capsys):
+    out = tmp_path / "replay.json"
+    assert replay.main([str(files["snapshot"]), "--allocators", "host", "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "replay: peak memory, failures, speed" in printed and "host" in printed
+    data = json.loads(out.read_text())
+    assert data["trace"]["budget"] == BUDGET and data["trace"]["budget_source"] == "recorded in the trace"
+    host, = data["results"]
+    assert host["allocator"] == "host" and host["failures"] == host["trace_failures"]
+    assert replay.main([str(files["csv"]), "--allocators", "host", "--json", "-", "--budget-mb", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["trace"]["budget_source"] == "given"
+
+
+def test_cli_errors(files, tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("Thread,Time,Action,Pointer,Size,Stream\n1,00:00:00.000001,grab,0x10,16,0x0\n")
+    assert replay.main([str(bad), "--allocators", "host"]) == 2
+    assert f"{bad}: line 2: unknown action 'grab'" in capsys.readouterr().err
+    assert replay.main([str(files["csv"]), "--allocators", "host", "--sample-every", "0"]) == 2
+    assert "--sample-every must be positive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        replay.main([str(files["csv"]), "--allocators", "host,tcmalloc"])
+    assert "unknown allocator(s) tcmalloc" in capsys.readouterr().err
+
+
+def test_gpu_allocators_need_cuda(files, capsys):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    assert replay.main([str(files["csv"]), "--allocators", "default,host"]) == 2
+    assert "torch sees none here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, conf", [("default", ""), ("expandable", "expandable_segments:True"),
+                                        ("cuda-async", "backend:cudaMallocAsync"), ("arena", None)])
+def test_worker_command_chooses_the_allocator_before_torch_loads(name, conf, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.5")
+    cmd, env = replay.worker_command(name, "/t.csv", "/r.json", device=1, budget_mb=512, sample_every=64,
+                                     sample_bytes=1 << 21, allow_unknown_frees=True, workspace_all=False)
+    assert env.get("PYTORCH_CUDA_ALLOC_CONF") == conf
+    assert cmd[1:4] == ["-m", "alloc", "replay"] and cmd[4] == "/t.csv"
+    assert cmd[cmd.index("--worker") + 1] == name and cmd[cmd.index("--device") + 1] == "1"
+    assert cmd[cmd.index("--budget-mb") + 1] == "512" and "--allow-unknown-frees" in cmd
+    with pytest.raises(ValueError, match="not a GPU allocator"):
+        replay.worker_command("host", "/t.csv", "/r.json", device=0, budget_mb=512, sample_every=64,
+                              sample_bytes=1, allow_unknown_frees=False, workspace_all=False)
+
+
+@pytest.mark.gpu
+def test_gpu_side_by_side(tmp_path):
+    """Growing workspace pieces (the seed workload's shape, smaller): PyTorch's default allocator
+    caches one segment per size, the arena holds its budget, nothing fails anywhere."""
+    sizes = [(i + 1) * 4 * MiB for i in range(12)]
+    events, t = [], 0
+    for i, size in enumerate(sizes):
+        for action in ("alloc", "free"):
+            events.append(Event(t, 1, action, 0x7F0000000000, size, 0, 0, "workspace"))
+            t += 1000
+    path = tmp_path / "growing.csv"
+    export.write_csv(events, path)
+    out = tmp_path / "replay.json"
+    rc = replay.main([str(path), "--json", str(out), "--budget-mb", "64", "--no-progress", "--timeout", "300"])
+    results = {r["allocator"]: r for r in json.loads(out.read_text())["results"]}
+    assert rc == 0, results
+    assert set(results) == {"default", "expandable", "cuda-async", "arena", "host"}
+    for r in results.values():
+        assert r["failures"] == 0 and r["ops"] == len(events)
+    assert results["default"]["peak_reserved_bytes"] >= sum(sizes) * 0.9
+    assert results["arena"]["peak_reserved_bytes"] < 64 * MiB + 64 * MiB  # budget + general pools
+    assert results["default"]["peak_bytes"] > 2 * results["arena"]["peak_bytes"]
