@@ -27,8 +27,8 @@ right after the event where the trace's live bytes peak; next to it the allocato
 (``torch.cuda.max_memory_reserved``, ``alloc.max_memory_reserved``). Operations per second count
 allocations and frees over the replay loop, the sampling excluded.
 
-The workspace budget is the trace's (a snapshot records it, as does a trace that saw the workspace
-arena's reservation), else ``--budget-mb``, else the configuration's (INDEXER_ARENA_CONF,
+The workspace budget is ``--budget-mb``, else the trace's (a snapshot records it, as does a trace
+that saw the workspace arena's reservation), else the configuration's (INDEXER_ARENA_CONF,
 default 512 MiB). A recorded failure is replayed as a request; if it succeeds, it is freed at once.
 """
 
@@ -134,11 +134,12 @@ def compile_trace(trace: TraceFile, *, workspace_all: bool = False) -> Plan:
 
 
 def workspace_budget(trace: TraceFile, budget: int | None = None) -> tuple[int, str]:
-    """(bytes, where it came from): the trace's, else ``budget``, else the configuration's."""
-    if trace.budget:
-        return trace.budget, "recorded in the trace"
+    """(bytes, where it came from): ``budget`` when given, else the trace's, else the
+    configuration's."""
     if budget:
         return budget, "given"
+    if trace.budget:
+        return trace.budget, "recorded in the trace"
     from .config import ENV_VAR, from_env
     return from_env().budget_bytes, f"the configuration's ({ENV_VAR} or its default)"
 
@@ -376,7 +377,7 @@ def gpu_worker(args) -> int:
         for d in used_devices:
             peak[d] = max(peak[d], used(d) - baseline[d])
 
-    keep_streams = []
+    keep_streams = []  # each recorded stream but 0 (the default stream) gets a stream of its own
 
     def stream_handle(recorded: int, device: int) -> int:
         if recorded == 0:
@@ -385,7 +386,9 @@ def gpu_worker(args) -> int:
         keep_streams.append(s)
         return s.cuda_stream
 
-    streams = {(d, s): None for d in used_devices for s in plan.streams}
+    streams = {(device_of.get(op[3], main_device), op[5]): None for op in plan.ops}
+    for d, s in streams:
+        streams[(d, s)] = stream_handle(s, d)
     raw_alloc = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_alloc", None)
     raw_delete = getattr(torch._C, "_cuda_cudaCachingAllocator_raw_delete", None)
     if raw_alloc is None or raw_delete is None:  # the public wrappers, one device switch slower
@@ -396,10 +399,7 @@ def gpu_worker(args) -> int:
 
     def allocate(size, device, pool, stream):
         d = device_of[device]
-        key = (d, stream)
-        handle = streams.get(key)
-        if handle is None:
-            handle = streams[key] = stream_handle(stream, d)
+        handle = streams[(d, stream)]
         if single:
             return raw_alloc(size, handle)
         with torch.cuda.device(d):
@@ -425,7 +425,7 @@ def gpu_worker(args) -> int:
     torch.cuda.synchronize()
     loop = run_ops(plan, allocate, free, set_pool=set_pool if ours else None, sample=sample,
                    sample_every=args.sample_every, sample_bytes=args.sample_bytes, progress=progress,
-                   failure_types=(torch.OutOfMemoryError, RuntimeError))
+                   failure_types=(RuntimeError, MemoryError))  # torch.OutOfMemoryError is a RuntimeError
     torch.cuda.synchronize()
     sample()
     try:

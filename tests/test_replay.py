@@ -203,3 +203,88 @@ def test_gpu_side_by_side(tmp_path):
     assert results["default"]["peak_reserved_bytes"] >= sum(sizes) * 0.9
     assert results["arena"]["peak_reserved_bytes"] < 64 * MiB + 64 * MiB  # budget + general pools
     assert results["default"]["peak_bytes"] > 2 * results["arena"]["peak_bytes"]
+
+
+class _FakeTorch:
+    """Just enough of torch for the GPU worker: a device of 1 GiB with raw allocations that record
+    whether they ran inside alloc.workspace(); device memory grows by each request rounded to 2 MiB
+    and never shrinks, as a caching allocator's would."""
+
+    def __init__(self):
+        import types
+
+        from alloc import in_workspace
+        self.__version__ = "fake"
+        self.used, self.peak_reserved, self.calls, self.next = 0, 0, [], 1 << 32
+        self.in_workspace = in_workspace
+        fake = self
+
+        class Stream:
+            made = 0
+
+            def __init__(self, device=None):
+                Stream.made += 1
+                self.cuda_stream = 1000 + Stream.made
+
+        def raw_alloc(size, stream):
+            if size > 256 << 20:
+                raise RuntimeError("CUDA out of memory (fake)")
+            fake.calls.append(("alloc", size, stream, fake.in_workspace()))
+            fake.used += -(-size // (2 << 20)) * (2 << 20)
+            fake.peak_reserved = fake.used
+            fake.next += 1 << 24
+            return fake.next
+
+        def raw_delete(ptr):
+            fake.calls.append(("free", ptr))
+
+        self.cuda = types.SimpleNamespace(
+            init=lambda: None, device_count=lambda: 1, set_device=lambda d: None, synchronize=lambda: None,
+            cudart=lambda: types.SimpleNamespace(cudaMemGetInfo=lambda d: ((1 << 30) - fake.used, 1 << 30)),
+            Stream=Stream, max_memory_reserved=lambda d: fake.peak_reserved,
+            max_memory_allocated=lambda d: 0, get_device_name=lambda d: "fake device",
+            current_device=lambda: 0)
+        self._C = types.SimpleNamespace(_cuda_cudaCachingAllocator_raw_alloc=raw_alloc,
+                                        _cuda_cudaCachingAllocator_raw_delete=raw_delete)
+
+
+@pytest.mark.parametrize("name", ["default", "arena"])
+def test_gpu_worker_against_a_fake_torch(name, tmp_path, monkeypatch):
+    import sys
+
+    import alloc
+    events = [Event(1, 1, "alloc", 0x10000, 100 << 20, 0, 0, "workspace"),
+              Event(2, 1, "alloc", 0x20000, 4096, 77, 0, "small"),
+              Event(3, 1, "free", 0x10000, 100 << 20, 0, 0, "workspace"),
+              Event(4, 1, "fail", 0, 300 << 20, 0, 0, "workspace"),
+              Event(5, 1, "alloc", 0x10000, 50 << 20, 0, 0, "workspace"),
+              Event(6, 1, "free", 0x20000, 4096, 77, 0, "small")]
+    path = tmp_path / "t.csv"
+    export.write_csv(events, path)
+    fake = _FakeTorch()
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    installed = []
+    monkeypatch.setattr(alloc, "install", installed.append)
+    monkeypatch.setattr(alloc, "max_memory_reserved", lambda d: 512 << 20)
+    monkeypatch.setattr(alloc, "max_memory_allocated", lambda d: 150 << 20)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", replay.ALLOCATORS[name] or "")
+    result_path = tmp_path / "result.json"
+    args = replay.build_parser().parse_args([str(path), "--worker", name, "--result", str(result_path),
+                                             "--budget-mb", "512", "--sample-every", "1"])
+    assert replay.gpu_worker(args) == 0
+    r = json.loads(result_path.read_text())
+    allocs = [c for c in fake.calls if c[0] == "alloc"]
+    assert [(c[1], c[3] if name == "arena" else None) for c in allocs] == \
+        [(100 << 20, True if name == "arena" else None), (4096, False if name == "arena" else None),
+         (50 << 20, True if name == "arena" else None)]
+    assert allocs[1][2] > 1000 and allocs[0][2] == 0  # stream 77 got a stream of its own, 0 stayed 0
+    assert [c[0] for c in fake.calls].count("free") == 2
+    assert (r["failures"], r["trace_failures"], r["ops"]) == (1, 1, 6)
+    assert r["peak_device_bytes"] == (100 + 2 + 50) << 20
+    if name == "arena":
+        assert installed and installed[0].budget_mb == 512
+        assert r["peak_reserved_bytes"] == 512 << 20 and r["budget"] == 512 << 20
+    else:
+        assert not installed and r["peak_reserved_bytes"] == (100 + 2 + 50) << 20
+    assert r["peak_bytes"] == max(r["peak_device_bytes"], r["peak_reserved_bytes"])
+    assert not alloc.in_workspace()
