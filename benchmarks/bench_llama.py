@@ -35,7 +35,7 @@ def worker(args) -> dict:
     ids = torch.randint(3, config.vocab_size, (args.batch, args.prompt), device="cuda")
     gen = dict(do_sample=False, use_cache=True, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **gen)  # warm-up
+        model.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new, **gen)  # warm-up
         times, out = [], None
         for _ in range(args.repeats):
             torch.cuda.synchronize()
@@ -48,9 +48,9 @@ def worker(args) -> dict:
         peak_reserved, peak_allocated = alloc.max_memory_reserved(), alloc.max_memory_allocated()
     else:
         peak_reserved, peak_allocated = torch.cuda.max_memory_reserved(), torch.cuda.max_memory_allocated()
-    return {"allocator": args.worker, "seconds": statistics.median(times), "runs": times,
+    return {"allocator": args.label, "seconds": statistics.median(times), "runs": times,
             "peak_reserved": peak_reserved, "peak_allocated": peak_allocated, "device_used_end": used,
-            "tokens": int(out.shape[1]), "checksum": int(out.sum().item())}
+            "tokens": int(out.shape[1]), "generated": out[:, args.prompt:].tolist()}
 
 
 def main() -> None:
@@ -62,13 +62,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=["default", "arena"], help=argparse.SUPPRESS)
+    parser.add_argument("--label", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(worker(args)))
         return
     results = []
-    for name in ("default", "arena"):
-        cmd = [sys.executable, __file__, "--worker", name, *sys.argv[1:]]
+    # The default allocator twice: greedy decoding of a random model flips near-tied tokens when
+    # kernels differ in rounding, so the two default runs show how much agreement to expect.
+    for name, label in (("default", "default"), ("default", "default (again)"), ("arena", "arena")):
+        cmd = [sys.executable, __file__, "--worker", name, "--label", label, *sys.argv[1:]]
         if "--json" in cmd:
             i = cmd.index("--json")
             del cmd[i:i + 2]
@@ -77,16 +80,22 @@ def main() -> None:
         if done.returncode != 0:
             raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    d, a = results
+    d, _, a = results
     MiB = 1 << 20
+
+    def agreement(r) -> str:
+        same = sum(x == y for rx, ry in zip(r["generated"], d["generated"]) for x, y in zip(rx, ry))
+        return f"{same / sum(len(row) for row in d['generated']):.1%}"
+
     table = Table(title=f"Llama-style, {args.layers} layers, batch {args.batch}, prompt {args.prompt}, "
                         f"{args.new} new tokens (median of {args.repeats})")
-    for col in ("allocator", "seconds", "peak reserved MiB", "peak allocated MiB", "device used MiB", "same tokens"):
+    for col in ("allocator", "seconds", "peak reserved MiB", "peak allocated MiB", "device used MiB",
+                "tokens as default"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(r["allocator"], f"{r['seconds']:.3f}", f"{r['peak_reserved'] / MiB:,.0f}",
                       f"{r['peak_allocated'] / MiB:,.0f}", f"{r['device_used_end'] / MiB:,.0f}",
-                      str(r["checksum"] == d["checksum"]))
+                      agreement(r))
     Console().print(table)
     print(f"arena / default: time {a['seconds'] / d['seconds']:.3f}, "
           f"peak reserved {a['peak_reserved'] / d['peak_reserved']:.3f}")

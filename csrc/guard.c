@@ -9,7 +9,7 @@
 
 #include "internal.h"
 
-static __thread char last_message[512];
+static __thread char last_message[1024];
 
 /* Only an integrated GPU takes cudaMalloc memory from the host's RAM. A coherent discrete GPU
  * (Grace Hopper: pageable access through host page tables, concurrent managed access) can read
@@ -103,7 +103,7 @@ static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
     mem.available = mem.mem_available = g->opts.available_fn(g->opts.available_ctx);
   } else if (ia_host_memory_read(g->meminfo_path, g->cgroup_root, &mem) != IA_OK) {
     /* Unknown host memory on a unified device: refusing is the only answer that cannot hang. */
-    char why[sizeof last_message];
+    char why[256];
     snprintf(why, sizeof why, "%s", last_message);
     snprintf(last_message, sizeof last_message,
              "unified memory: %s, so the host memory left is unknown and the reservation of %s was "

@@ -265,15 +265,15 @@ def test_forced_unified_mode_guards_every_reservation(tmp_path):
     meminfo = tmp_path / "meminfo"
     out = run(f"""
 path = {str(meminfo)!r}
-torch.cuda.init()
-free0 = torch.cuda.mem_get_info()[0]
 def update():
     taken = free0 - torch.cuda.mem_get_info()[0]
     with open(path + ".tmp", "w") as f:
         f.write(f"MemTotal: {{128 << 20}} kB\\nMemAvailable: {{(int(13.5 * (1 << 30)) - taken) >> 10}} kB\\n")
     os.replace(path + ".tmp", path)
-update()
 alloc.install(alloc.Config(budget_mb=512, unified="on", host_headroom_mb=0, meminfo=path))
+torch.cuda.init()  # the arenas are reserved at the first allocation, after this baseline
+free0 = torch.cuda.mem_get_info()[0]
+update()
 from alloc.fit import seed_workload
 for plan in seed_workload(254_000, 3_200, 4, 512 << 20, topk=0):
     for rows in plan.pieces:
