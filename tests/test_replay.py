@@ -30,11 +30,12 @@ def files(rec, tmp_path_factory):
 
 
 def _layout(report: dict) -> dict:
-    """Per pool, the blocks relative to their regions (addresses differ from run to run)."""
+    """Per pool, the blocks relative to their regions, regions numbered oldest first as the arena
+    lists them (addresses, and their order, differ from run to run)."""
     out = {}
     for dev in report["devices"]:
         for pool in dev["pools"]:
-            bases = sorted({b[0] for b in pool["blocks"]})
+            bases = list(dict.fromkeys(b[0] for b in pool["blocks"]))
             out[pool["pool"]] = [(bases.index(b[0]), *b[1:5]) for b in pool["blocks"]]
     return out
 
