@@ -27,7 +27,7 @@ def compile_args() -> list[str]:
     args = ["-std=gnu11", "-fvisibility=hidden", "-fexceptions", "-Wall", "-Wextra",
             "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
     if os.environ.get("INDEXER_ARENA_DEBUG_BUILD") == "1":
-        args += ["-O0", "-g", "-fno-omit-frame-pointer"]
+        args += ["-O0", "-g", "-fno-omit-frame-pointer", "-DIA_DEBUG=1"]
     else:
         args += ["-O2"]
     return args

@@ -465,6 +465,13 @@ static ia_status_t order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t fr
 
 /* ---- public operations ------------------------------------------------------------------------ */
 
+#if IA_DEBUG
+static void debug_check(ia_arena_t *a);
+#define DEBUG_CHECK(a) debug_check(a)
+#else
+#define DEBUG_CHECK(a) ((void)0)
+#endif
+
 void ia_arena_default_options(ia_arena_options_t *o) {
   *o = (ia_arena_options_t){.alignment = 256, .region_round = (size_t)2 << 20,
                             .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX};
@@ -581,6 +588,7 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
     a->stats.requests_failed++;
     trace(a, IA_TRACE_FAIL, 0, size, stream);
   }
+  DEBUG_CHECK(a);
   pthread_mutex_unlock(&a->lock);
   return b ? IA_OK : st;
 }
@@ -636,6 +644,7 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
     merge_into(a, b, next);
   }
   bin_insert(a, b);
+  DEBUG_CHECK(a);
   pthread_mutex_unlock(&a->lock);
   return IA_OK;
 }
@@ -761,8 +770,7 @@ size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
     }                                                                                               \
   } while (0)
 
-bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
-  pthread_mutex_lock(&a->lock);
+static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
   uint64_t in_use = 0, free_bytes = 0, capacity = 0, requested = 0;
   size_t live = 0, free_count = 0, binned = 0, n_regions = 0;
   for (region_t *r = a->regions; r; r = r->next, n_regions++) {
@@ -819,10 +827,22 @@ bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
         (unsigned long)a->stats.blocks_in_use);
   CHECK(free_bytes == a->stats.free_bytes && free_count == a->stats.free_blocks,
         "free counters are off");
-  pthread_mutex_unlock(&a->lock);
   if (msg_len) msg[0] = '\0';
   return true;
 broken:
-  pthread_mutex_unlock(&a->lock);
   return false;
 }
+
+bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
+  pthread_mutex_lock(&a->lock);
+  bool ok = check_locked(a, msg, msg_len);
+  pthread_mutex_unlock(&a->lock);
+  return ok;
+}
+
+#if IA_DEBUG
+static void debug_check(ia_arena_t *a) {
+  char msg[512];
+  if (!check_locked(a, msg, sizeof msg)) _ia_assert_fail(msg, __FILE__, __LINE__);
+}
+#endif

@@ -9,7 +9,8 @@
 #define IA_EXPORT __attribute__((visibility("default")))
 #define IA_STREAM_NONE ((ia_stream_t)UINTPTR_MAX)
 
-/* IA_DEBUG=1 at build time turns on the full invariant walk after every operation (slow).
+/* IA_DEBUG=1 at build time (INDEXER_ARENA_DEBUG_BUILD=1 for the extension) walks the whole arena
+ * after every allocation and free and stops at the first broken invariant (slow).
  * ia_assert stays on in every build: the checks it guards are cheap and a broken arena must stop. */
 #define ia_assert(cond)                                                                             \
   do {                                                                                              \

@@ -57,6 +57,12 @@ def test_c_threads_under_thread_sanitizer(tmp_path):
     assert "ThreadSanitizer" not in env_check.stderr, env_check.stderr
 
 
+def test_c_threads_with_the_invariant_walk_after_every_operation(tmp_path):
+    exe, built = build_harness(tmp_path, ["-DIA_DEBUG=1"])
+    assert built.returncode == 0, built.stderr
+    run_harness(exe, threads=4, ops=3_000, capacity_mib=1)
+
+
 def test_c_threads_with_a_tight_arena(tmp_path):
     """A small arena makes threads hit out-of-memory and fragmentation all the time."""
     exe, built = build_harness(tmp_path)
