@@ -106,6 +106,7 @@ def install(config: config_mod.Config | None = None, *, devices: Iterable[int] =
         hooks = allocator.allocator()
         hooks.set_reset_fn(_address("ia_torch_empty_cache"))
         hooks.set_record_stream_fn(_address("ia_torch_record_stream"))
+        hooks.set_memory_fraction_fn(_address("ia_torch_memory_fraction"))
         torch.cuda.memory.change_current_allocator(allocator)
         _installed = _Installed(config, allocator, (strings, c))
     _reserve(devices)

@@ -407,11 +407,17 @@ static size_t region_size_for(const ia_arena_options_t *o, size_t size) {
   return rounded > o->region_min ? rounded : o->region_min;
 }
 
+static bool over_limit(const ia_arena_t *a, size_t want) {
+  if (a->opts.limit && a->stats.capacity + want > a->opts.limit) return true;
+  uint64_t group = a->totals ? atomic_load(&a->totals->limit) : 0;
+  return group && atomic_load(&a->totals->capacity) + want > group;
+}
+
 static ia_status_t grow(ia_arena_t *a, size_t size) {
   size_t want = region_size_for(&a->opts, size);
-  if (a->opts.limit && a->stats.capacity + want > a->opts.limit) {
+  if (over_limit(a, want)) {
     if (release_free_regions(a)) a->stats.retries++;
-    if (a->stats.capacity + want > a->opts.limit) return IA_ERR_LIMIT;
+    if (over_limit(a, want)) return IA_ERR_LIMIT;
   }
   ia_status_t st = region_add(a, want);
   if ((st == IA_ERR_BACKEND_OUT_OF_MEMORY || st == IA_ERR_HOST_MEMORY_GUARD) &&

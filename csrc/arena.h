@@ -291,5 +291,6 @@ void *ia_torch_alloc(ssize_t size, int device, void *stream);
 void ia_torch_free(void *ptr, ssize_t size, int device, void *stream);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
+void ia_torch_memory_fraction(double fraction, int device);
 
 #endif /* INDEXER_ARENA_H */

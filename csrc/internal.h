@@ -43,6 +43,9 @@ static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
  * device-wide peak is a true peak and not a sum of per-arena peaks. */
 typedef struct ia_totals {
   _Atomic uint64_t in_use, in_use_peak, capacity, capacity_peak;
+  /* Growth of any arena of the group stops where capacity would pass this (0: no limit). Checked
+   * under each arena's own lock, so two arenas growing at once can pass it by one region. */
+  _Atomic uint64_t limit;
 } ia_totals_t;
 void _ia_arena_set_totals(ia_arena_t *arena, ia_totals_t *totals);
 void _ia_totals_reset_peaks(ia_totals_t *totals);

@@ -274,7 +274,11 @@ __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t si
              device, req, size, _ia_format_bytes(plugin.config.budget, budget, sizeof budget), state, hint);
   } else {
     char why[640] = "";
-    if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(why, sizeof why, " %s.", ia_guard_last_message());
+    if (st == IA_ERR_LIMIT)
+      snprintf(why, sizeof why, " The pools may hold at most %.0f MiB here "
+               "(torch.cuda.set_per_process_memory_fraction).",
+               (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
+    else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(why, sizeof why, " %s.", ia_guard_last_message());
     else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(why, sizeof why, " %s.", ia_cuda_last_error());
     else snprintf(why, sizeof why, " %s.", ia_status_str(st));
     snprintf(message, sizeof message,
@@ -330,6 +334,17 @@ void ia_torch_record_stream(void *ptr, void *stream) {
     for (int p = 0; p < IA_POOL_COUNT; p++)
       if (ia_arena_record_stream(slot->arenas[p], ptr, (ia_stream_t)stream) == IA_OK) return;
   }
+}
+
+/* torch.cuda.set_per_process_memory_fraction: everything the device's pools hold, the workspace
+ * arena included, stays under fraction x the device's memory; the general pools stop growing there
+ * (and raise out-of-memory, after giving back their cached regions). */
+void ia_torch_memory_fraction(double fraction, int device) {
+  ia_status_t st;
+  device_slot_t *slot = device_slot(device, &st);
+  size_t free_bytes, total;
+  if (!slot || ia_cuda_mem_info(device, &free_bytes, &total) != IA_OK) return;
+  atomic_store(&slot->totals.limit, (uint64_t)(fraction * (double)total));
 }
 
 void ia_torch_empty_cache(void) {

@@ -326,3 +326,20 @@ print(json.dumps({{"err": err}}))
     pools = {p["pool"]: p for p in data["devices"][0]["pools"]}
     assert pools["workspace"]["stats"]["capacity"] == 16 << 20
     assert pools["workspace"]["stats"]["requests_failed"] == 1
+
+
+def test_memory_fraction_caps_the_pools():
+    out = run("""
+alloc.install(alloc.Config(budget_mb=64))
+total = torch.cuda.mem_get_info()[1]
+torch.cuda.set_per_process_memory_fraction((1 << 30) / total)  # 1 GiB for everything
+keep = [torch.empty(300 << 20, dtype=torch.uint8, device="cuda") for _ in range(3)]
+try:
+    torch.empty(300 << 20, dtype=torch.uint8, device="cuda")
+    err = None
+except torch.OutOfMemoryError as e:
+    err = str(e)
+print(json.dumps({"err": err, "reserved": alloc.memory_reserved()}))
+""")
+    assert "set_per_process_memory_fraction" in out["err"] and "1024 MiB" in out["err"]
+    assert out["reserved"] == (64 << 20) + 3 * (300 << 20)
