@@ -368,7 +368,9 @@ def to_snapshot(report: dict | None = None, events: Sequence[Event] = (), *, dro
     meta = {"format": SNAPSHOT_FORMAT, "dropped": dropped,
             "budget": report.get("budget") if report else None,
             "devices": [{"device": d["device"], "unified": d.get("unified", False)}
-                        for d in (report or {}).get("devices", [])]}
+                        for d in (report or {}).get("devices", [])],
+            "stats": [{"device": d["device"], "pool": p["pool"], "stats": p.get("stats", {})}
+                      for d in (report or {}).get("devices", []) for p in d.get("pools", [])]}
     return {"segments": segments, "device_traces": traces, "allocator_settings": {},
             "indexer_arena": meta}
 

@@ -9,7 +9,9 @@ One structure serves everything, the one the C core writes on out-of-memory (``o
                              "blocks": [[region_base, offset, size, requested, used, stream], ...]}]}]}
 
 ``collect()`` builds it from any ``alloc.Arena`` objects (the installed allocator's views, or
-host-backed arenas); ``live_report()`` does so for the installed allocator. ``summarize()`` turns it
+host-backed arenas); ``live_report()`` does so for the installed allocator, and ``save_live(DIR)``
+writes that report (text, JSON, PNG) with the allocator's trace (CSV, snapshot) for a running
+process. ``summarize()`` turns it
 into per-arena numbers (capacity, in use, free, largest free block, fragmentation, a histogram of
 free block sizes, the largest live blocks), which ``render_text()``, ``to_json()`` and
 ``write_png()`` present.
@@ -120,7 +122,8 @@ def stats_from_blocks(blocks: Sequence[Sequence[int]]) -> dict:
 
 def report_from_snapshot(snapshot: dict) -> dict:
     """A report from a memory snapshot's segments (ours, or PyTorch's own: its segments are then
-    grouped into the small and large pools by their segment_type)."""
+    grouped into the small and large pools by their segment_type). Our snapshots also carry the
+    arenas' statistics (peaks, counters); for others they are what the blocks say."""
     devices: dict[int, dict[str, list]] = {}
     for seg in snapshot.get("segments", []):
         pool = seg.get("ia_pool") or seg.get("segment_type") or "large"
@@ -133,13 +136,15 @@ def report_from_snapshot(snapshot: dict) -> dict:
             offset += b["size"]
     meta = snapshot.get("indexer_arena") or {}
     unified = {d["device"]: d.get("unified", False) for d in meta.get("devices", [])}
+    recorded = {(s["device"], s["pool"]): s["stats"] for s in meta.get("stats", [])}
     budget = meta.get("budget")
     if budget is None:
         budget = next((sum(b[2] for b in blocks) for pools in devices.values()
                        for p, blocks in pools.items() if p == "workspace"), 0)
     return {"format": REPORT_FORMAT, "budget": int(budget or 0),
             "devices": [{"device": d, "unified": bool(unified.get(d, False)),
-                         "pools": [{"pool": p, "stats": stats_from_blocks(b), "blocks": b}
+                         "pools": [{"pool": p, "stats": recorded.get((d, p)) or stats_from_blocks(b),
+                                    "blocks": b}
                                    for p, b in sorted(pools.items(), key=lambda kv: _pool_order(kv[0]))]}
                         for d, pools in sorted(devices.items())]}
 
@@ -406,6 +411,19 @@ def write_outputs(directory: str | os.PathLike, report: dict, events: Sequence[E
         export.write_csv(events, paths["csv"])
         export.write_snapshot(export.to_snapshot(report, events, dropped=dropped), paths["snapshot"])
     return paths
+
+
+def save_live(directory: str | os.PathLike, *, top: int = 10, title: str = "memory report",
+              notes: Sequence[str] = ()) -> dict[str, str]:
+    """For a running process: the installed allocator's report and, when tracing is on (the
+    ``trace`` key or ``alloc.trace.tracing()``), its trace, written as ``write_outputs`` does. The
+    trace is read first: events of allocations made meanwhile by other threads may be missing from
+    it (quiesce the process for an exact match)."""
+    from .trace import plugin_trace
+    trace = plugin_trace()
+    events, dropped = trace.events() if trace is not None else ([], 0)
+    return write_outputs(directory, live_report(), events, dropped=dropped, top=top, title=title,
+                         notes=notes)
 
 
 # -- reading any source ------------------------------------------------------------------------------

@@ -129,6 +129,8 @@ def test_report_of_a_snapshot_and_of_a_csv_trace(rec, tmp_path, capsys):
         got = json.loads(capsys.readouterr().out)
         assert [(s["pool"], s["capacity"], s["in_use"], s["free"], s["largest_free"], s["free_blocks"])
                 for s in got["summary"]] == expected, source
+        assert [s["in_use_peak"] for s in got["summary"]] == \
+            [rec.arenas[(0, p)].stats()["in_use_peak"] for p in ("workspace", "large")]
         assert got["timeline"]["in_use"] and max(got["timeline"]["in_use"]) > 0
     assert report.main([str(csv), "--budget-mb", "2"]) == 0
     assert "host-backed arena" in capsys.readouterr().out
@@ -165,9 +167,11 @@ def test_report_errors_name_the_file(tmp_path, capsys, content, words):
         assert w in err
 
 
-def test_live_report_needs_the_installed_allocator():
+def test_live_report_needs_the_installed_allocator(tmp_path):
     with pytest.raises(ArenaError, match="alloc.install"):
         report.live_report()
+    with pytest.raises(ArenaError, match="alloc.install"):
+        report.save_live(tmp_path)
 
 
 def _load_example():
