@@ -289,3 +289,18 @@ def test_gpu_worker_against_a_fake_torch(name, tmp_path, monkeypatch):
         assert not installed and r["peak_reserved_bytes"] == (100 + 2 + 50) << 20
     assert r["peak_bytes"] == max(r["peak_device_bytes"], r["peak_reserved_bytes"])
     assert not alloc.in_workspace()
+
+
+def test_worker_failures_become_error_rows(files):
+    """The parent's side of a GPU worker: its failure (here: no CUDA), or its timeout, is a row
+    naming the cause, not an exception."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: the worker would succeed")
+    args = replay.build_parser().parse_args([str(files["csv"])])
+    row = replay.run_worker("default", str(files["csv"]), args, None, 512)
+    assert row["allocator"] == "default" and row["error"].startswith("exit status 1")
+    assert "CUDA" in row["error"]
+    args = replay.build_parser().parse_args([str(files["csv"]), "--timeout", "0.05"])
+    row = replay.run_worker("expandable", str(files["csv"]), args, None, 512)
+    assert row["error"].startswith("timed out")
