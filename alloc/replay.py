@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .export import GENERAL, TraceFile, TraceFormatError, load_trace
+from .export import TraceFile, TraceFormatError, load_trace
 from .units import MiB, fmt_bytes
 
 ALLOCATORS: dict[str, str | None] = {  # name -> PYTORCH_CUDA_ALLOC_CONF (None: not PyTorch's)

@@ -15,7 +15,6 @@ from alloc.report import collect
 from alloc.trace import Trace
 from trace_workload import BUDGET, record
 
-mv = pytest.importorskip("torch.cuda._memory_viz")
 
 # The opcodes PyTorch's MemoryViz.js unpickler handles (torch/utils/viz/MemoryViz.js, unpickle()).
 JS_OPCODES = {"PROTO", "APPEND", "APPENDS", "LIST", "TUPLE", "NEWFALSE", "NEWTRUE", "NONE", "BINGET",
@@ -23,6 +22,12 @@ JS_OPCODES = {"PROTO", "APPEND", "APPENDS", "LIST", "TUPLE", "NEWFALSE", "NEWTRU
               "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "SETITEMS", "SETITEM", "DICT",
               "SHORT_BINUNICODE", "BINUNICODE", "STOP", "EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
               "BINFLOAT"}
+
+
+@pytest.fixture
+def mv():
+    """PyTorch's memory visualizer (torch/cuda/_memory_viz.py)."""
+    return pytest.importorskip("torch.cuda._memory_viz")
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +177,7 @@ def _js_opcodes(data: bytes) -> set[str]:
     return {op.name for op, _arg, _pos in pickletools.genops(data)}
 
 
-def test_snapshot_passes_pytorch_memory_viz(rec, tmp_path):
+def test_snapshot_passes_pytorch_memory_viz(rec, tmp_path, mv):
     report = collect(rec.arenas)
     snap = export.to_snapshot(report, rec.events)
     path = tmp_path / "snapshot.pickle"
@@ -257,7 +262,7 @@ def test_snapshot_satisfies_the_visualizers_segment_view(rec):
     assert _js_segment_view_check(export.to_snapshot(collect(rec.arenas), rec.events)) > 100
 
 
-def test_snapshot_from_events_alone(rec):
+def test_snapshot_from_events_alone(rec, mv):
     """Without the arenas: regions from the reserve events, a synthetic segment for the workspace
     arena (reserved before its trace was attached); the visualizer's checks still hold."""
     snap = export.to_snapshot(None, rec.events)
