@@ -543,7 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(ALLOCATORS)} (default: all where CUDA is, "
                         "else host)")
     p.add_argument("--device", type=int, default=0, help="CUDA device of a single-device trace")
-    p.add_argument("--budget-mb", type=int, help="workspace budget when the trace does not record it")
+    p.add_argument("--budget-mb", type=int,
+                   help="workspace budget (default: the trace's when it records one, else the configuration's)")
     p.add_argument("--workspace-all", action="store_true",
                    help="serve every allocation from the workspace arena (e.g. an RMM log of workspaces)")
     p.add_argument("--allow-unknown-frees", action="store_true",
