@@ -5,12 +5,16 @@
 per-row float32 scale in ``kv_scale``; q's scale is folded into ``w`` as vLLM does) or float32;
 w and kv_scale are float32; the output is float32.
 
-Tiling: one program owns a ``BLOCK_M x BLOCK_N`` output tile. It loads its kv tile once, then
-loops over the heads: per head one ``[BLOCK_M, D] x [D, BLOCK_N]`` tensor-core product, whose
+Tiling: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x kv entries). It loads
+its kv tile once into shared memory, then loops over the heads: per head one
+``[BLOCK_N, D] x [D, BLOCK_M]`` tensor-core product (kv is the A operand, so it stays put in
+shared memory; q tiles stream through a ``NUM_STAGES``-deep pipeline as the B operand), whose
 relu is weighted by ``w[:, h]`` and accumulated in float32 registers. The relu sits between the
-product and the head sum, so heads cannot be folded into the product's K dimension; the kv
-tile stays in shared memory for all heads while q tiles stream through a software pipeline.
-Programs are ordered n-fastest so that the programs running together share one q block in L2.
+product and the head sum, so the heads cannot become the product's K dimension. The tile is
+computed transposed and transposed back once at the store. Programs are ordered n-fastest, so
+the programs running together share one q block in L2. Triton waits for each product before
+the relu that follows it, so products and relus overlap only across co-resident programs:
+the default tile (64 x 128, 4 warps, ~250 registers a thread) lets two run per SM.
 A tile whose columns lie wholly outside every row's ``[ks, ke)`` skips the products (causal
 rows cost about half of full rows) and, if ``clean``, writes ``-inf``.
 
@@ -56,23 +60,25 @@ def _request_of_column(p_cu_kv, o_n, num_reqs, n_steps):
 
 
 @triton.jit
-def _kv_row_offsets(o_n, m_n, p_block_table, p_cu_kv, num_reqs, n_steps,
-                    stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt,
-                    PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """int64 element offsets of kv rows and of their scales for output columns o_n."""
+def _kv_rows(p_kv, p_kv_scale, n_0, o_bn, m_n, p_block_table, p_cu_kv, num_reqs, n_steps,
+             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt,
+             PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Pointers to the kv rows and scales of output columns n_0 + o_bn."""
     if PAGED:
+        o_n = n_0 + o_bn
         b_req = _request_of_column(p_cu_kv, o_n, num_reqs, n_steps)
         b_pos = o_n - tl.load(p_cu_kv + b_req, mask=m_n, other=0)
         b_pos = tl.where(m_n, b_pos, 0)
         b_page = tl.load(p_block_table + b_req.to(tl.int64) * stride_bt + b_pos // PAGE,
                          mask=m_n, other=0).to(tl.int64)
         b_slot = (b_pos % PAGE).to(tl.int64)
-        o_kv = b_page * stride_kv_0 + b_slot * stride_kv_1
-        o_sc = b_page * stride_sc_0 + b_slot * stride_sc_1
+        p_rows = p_kv + (b_page * stride_kv_0 + b_slot * stride_kv_1)
+        p_scales = p_kv_scale + (b_page * stride_sc_0 + b_slot * stride_sc_1)
     else:
-        o_kv = o_n.to(tl.int64) * stride_kv_0
-        o_sc = o_n.to(tl.int64) * stride_sc_0
-    return o_kv, o_sc
+        # int64 tile base, int32 offsets within the tile: registers stay 32-bit per element.
+        p_rows = p_kv + n_0.to(tl.int64) * stride_kv_0 + o_bn * stride_kv_0
+        p_scales = p_kv_scale + n_0.to(tl.int64) * stride_sc_0 + o_bn * stride_sc_0
+    return p_rows, p_scales
 
 
 @triton.jit
@@ -83,44 +89,53 @@ def _logits_kernel(p_q, p_kv, p_kv_scale, p_w, p_ks, p_ke, p_out, p_block_table,
                    H: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, PAGED: tl.constexpr,
                    PAGE: tl.constexpr, CLEAN: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
+    # Offsets: int64 to each tile's origin, int32 within a tile (the launcher checks that a
+    # tile spans less than 2**31 elements of every tensor).
+    pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    o_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = (pid_n * BLOCK_N).to(tl.int32) + tl.arange(0, BLOCK_N)
-    m_m = o_m < M
-    m_n = o_n < N
-    b_ks = tl.load(p_ks + o_m, mask=m_m, other=0)
-    b_ke = tl.load(p_ke + o_m, mask=m_m, other=0)
+    m_0 = pid_m * BLOCK_M
+    n_0 = pid_n * BLOCK_N
+    o_bm = tl.arange(0, BLOCK_M)
+    o_bn = tl.arange(0, BLOCK_N)
+    m_m = m_0 + o_bm < M
+    m_n = n_0 + o_bn < N
+    b_ks = tl.load(p_ks + m_0 + o_bm, mask=m_m, other=0)
+    b_ke = tl.load(p_ke + m_0 + o_bm, mask=m_m, other=0)
     m_row = m_m & (b_ke > b_ks)
     n_lo = tl.min(tl.where(m_row, b_ks, INT32_MAX))
     n_hi = tl.max(tl.where(m_row, b_ke, 0))
-    n_0 = (pid_n * BLOCK_N).to(tl.int32)
-    o_out = o_m[:, None] * stride_om + o_n[None, :]
-    m_out = m_m[:, None] & m_n[None, :]
+    p_out_tile = p_out + m_0.to(tl.int64) * stride_om + n_0
     if (n_0 < n_hi) & (n_0 + BLOCK_N > n_lo):
-        o_kv, o_sc = _kv_row_offsets(o_n, m_n, p_block_table, p_cu_kv, num_reqs, n_steps,
-                                     stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
-                                     stride_bt, PAGED, PAGE)
+        p_rows, p_scales = _kv_rows(p_kv, p_kv_scale, n_0, o_bn, m_n, p_block_table, p_cu_kv,
+                                    num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
+                                    stride_sc_1, stride_bt, PAGED, PAGE)
         o_d = tl.arange(0, D)
-        b_kv = tl.load(p_kv + o_kv[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_scale = tl.load(p_kv_scale + o_sc, mask=m_n, other=0.0)
-        p_q_rows = p_q + o_m[:, None] * stride_qm + o_d[None, :]
-        p_w_rows = p_w + o_m * stride_wm
-        b_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        # kv is the product's A operand: loop-invariant, it goes to shared memory once. (As the
+        # B operand, Triton re-stores it to shared memory every head and keeps it in registers.)
+        b_kv = tl.load(p_rows[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_scale = tl.load(p_scales, mask=m_n, other=0.0)
+        p_q_tile = p_q + m_0.to(tl.int64) * stride_qm + (o_bm[:, None] * stride_qm + o_d[None, :])
+        p_w_tile = p_w + m_0.to(tl.int64) * stride_wm + o_bm * stride_wm
+        # Transposed tile: rows are kv entries, columns are queries.
+        b_acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for h in tl.range(0, H, num_stages=NUM_STAGES):
-            b_q = tl.load(p_q_rows + h * stride_qh, mask=m_m[:, None], other=0.0)
-            b_w = tl.load(p_w_rows + h * stride_wh, mask=m_m, other=0.0)
-            b_s = tl.dot(b_q, tl.trans(b_kv), input_precision=DOT_PRECISION)
-            b_acc += tl.maximum(b_s, 0.0) * b_w[:, None]
-        b_acc = b_acc * b_scale[None, :]
-        m_in = (o_n[None, :] >= b_ks[:, None]) & (o_n[None, :] < b_ke[:, None])
-        tl.store(p_out + o_out, tl.where(m_in, b_acc, float("-inf")), mask=m_out)
+            b_q = tl.load(p_q_tile + h * stride_qh, mask=m_m[:, None], other=0.0)
+            b_w = tl.load(p_w_tile + h * stride_wh, mask=m_m, other=0.0)
+            b_s = tl.dot(b_kv, tl.trans(b_q), input_precision=DOT_PRECISION)
+            b_acc += tl.maximum(b_s, 0.0) * b_w[None, :]
+        b_acc = b_acc * b_scale[:, None]
+        o_n = n_0 + o_bn
+        m_in = (o_n[:, None] >= b_ks[None, :]) & (o_n[:, None] < b_ke[None, :])
+        b_out = tl.trans(tl.where(m_in, b_acc, float("-inf")))
+        tl.store(p_out_tile + (o_bm[:, None] * stride_om + o_bn[None, :]), b_out,
+                 mask=m_m[:, None] & m_n[None, :])
     else:
         if CLEAN:
             b_inf = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
-            tl.store(p_out + o_out, b_inf, mask=m_out)
+            tl.store(p_out_tile + (o_bm[:, None] * stride_om + o_bn[None, :]), b_inf,
+                     mask=m_m[:, None] & m_n[None, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,32 +156,29 @@ class LogitsConfig:
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
-# Untuned starting points for Hopper (see benchmarks/bench_indexer.py --sweep): fp8 products
-# are twice as fast as bf16 ones, so fp8 takes the wider tile, which halves the q traffic per
-# flop; both keep the [BLOCK_M, BLOCK_N] float32 accumulator plus one product at ~128
-# registers a thread.
-_GPU_DEFAULTS = {
-    torch.bfloat16: LogitsConfig(128, 128, 8, 3),
-    torch.float16: LogitsConfig(128, 128, 8, 3),
-    torch.float32: LogitsConfig(64, 64, 4, 2),
-}
-if _FP8 is not None:
-    _GPU_DEFAULTS[_FP8] = LogitsConfig(64, 256, 8, 3)
+# Compiled for sm_90 (Triton 3.9's ptxas), 64 x 128 with 4 warps uses ~250 registers and no
+# spills: two programs per SM, which is what overlaps one program's relus with the other's
+# products. Wider tiles (128 x 128 on 8 warps) spill. Untuned on hardware: the benchmark's
+# sweep (benchmarks/bench_indexer.py) times the candidates and set_config() can pin a winner.
+_GPU_DEFAULT = LogitsConfig(64, 128, 4, 3)
+_CANDIDATES = (LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 4),
+               LogitsConfig(64, 64, 4, 3), LogitsConfig(32, 128, 4, 3),
+               LogitsConfig(32, 256, 4, 3), LogitsConfig(64, 256, 8, 3),
+               LogitsConfig(128, 128, 8, 3))
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32) + ((_FP8,) if _FP8 is not None else ())
 _CHOSEN: dict[tuple, LogitsConfig] = {}
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
-    return tuple(_GPU_DEFAULTS)
+    return _DTYPES
 
 
 def row_stride_elems(width: int) -> int:
     """The row stride (float32 elements) a logits buffer of ``width`` columns gets: a multiple
-    of 4, i.e. of 16 bytes, as TMA needs, and at least 4."""
-    return max(4, -(-width // 4) * 4)
-
-
-def _interpreting(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu"
+    of 16 elements (64 bytes). 16 bytes is what TMA needs and what ``out`` must have; 16
+    elements also lets Triton's specialization mark the stride divisible by 16, which keeps
+    the stores vectorized."""
+    return max(16, -(-width // 16) * 16)
 
 
 def _key(dtype: torch.dtype, h: int, d: int, paged: bool) -> tuple:
@@ -176,17 +188,19 @@ def _key(dtype: torch.dtype, h: int, d: int, paged: bool) -> tuple:
 def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
                    device: str = "cuda") -> LogitsConfig:
     """The config a call uses when none is given: one chosen by ``set_config`` (the benchmark's
-    sweep can set it) or the built-in default for the dtype."""
+    sweep can set it) or the built-in default."""
     if device == "cpu":
         return _INTERPRETER_CONFIG
     chosen = _CHOSEN.get(_key(dtype, h, d, paged))
     if chosen is not None:
         return chosen
-    cfg = _GPU_DEFAULTS.get(dtype, _GPU_DEFAULTS[torch.float32])
-    if d <= 64 and cfg.num_stages < 4:
+    if dtype == torch.float32:
+        return LogitsConfig(32, 64, 4, 2)
+    if d <= 64:
         # Half-size q tiles: room for a deeper pipeline.
-        cfg = LogitsConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages + 1)
-    return cfg
+        return LogitsConfig(_GPU_DEFAULT.block_m, _GPU_DEFAULT.block_n, _GPU_DEFAULT.num_warps,
+                            _GPU_DEFAULT.num_stages + 1)
+    return _GPU_DEFAULT
 
 
 def set_config(dtype: torch.dtype, h: int, d: int, paged: bool, config: LogitsConfig | None
@@ -199,20 +213,11 @@ def set_config(dtype: torch.dtype, h: int, d: int, paged: bool, config: LogitsCo
 
 
 def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig]:
-    """Configs worth timing on a Hopper GPU: the accumulator and one product must fit in
-    registers (BLOCK_M * BLOCK_N / (32 * num_warps) <= 64 floats each), the kv tile plus
-    ``num_stages`` q tiles in shared memory."""
+    """Configs worth timing on a Hopper GPU: those whose kv tile plus ``num_stages`` q tiles
+    fit in shared memory."""
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
-    out = []
-    for bm, bn, warps in ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8),
-                          (128, 256, 16), (256, 128, 16)):
-        if bm * bn // (32 * warps) > 64:
-            continue
-        for stages in (2, 3, 4):
-            smem = (bn * d + stages * bm * d) * elem
-            if smem <= 200 * 1024:
-                out.append(LogitsConfig(bm, bn, warps, stages))
-    return out
+    return [c for c in _CANDIDATES
+            if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]
 
 
 def _check_out(out: torch.Tensor, m: int, n: int) -> None:
@@ -231,7 +236,7 @@ def _check_inputs(q, kv_dtype, kv_d, kv_scale, w, ks, ke) -> tuple[int, int, int
     m, h, d = q.shape
     if q.dtype != kv_dtype:
         raise ValueError(f"q and kv must share a dtype, got {q.dtype} and {kv_dtype}")
-    if q.dtype not in _GPU_DEFAULTS:
+    if q.dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {q.dtype}; supported: {supported_dtypes()}")
     if kv_d != d:
         raise ValueError(f"kv head size {kv_d} != q head size {d}")
@@ -258,6 +263,12 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
     if m == 0 or n == 0:
         return out
     cfg = config or default_config(q.dtype, h, d, paged, q.device.type)
+    spans = [cfg.block_m * max(q.stride(0), 1), cfg.block_m * max(w.stride(0), 1),
+             cfg.block_m * max(out.stride(0), 1)]
+    if not paged:
+        spans.append(cfg.block_n * max(strides_kv[0], strides_sc[0], 1))
+    if max(spans) >= 2**31:
+        raise ValueError("a tile would span 2**31 elements or more; use smaller blocks")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
     _logits_kernel[grid](

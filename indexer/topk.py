@@ -30,8 +30,9 @@ key found digit by digit, then one compaction — with the coarse digits replace
    ``t_lo = t_hi = threshold``. It is correct for any input, only slower; ``return_path`` tells
    how often it ran.
 
-With the defaults (S = 4096, Z = 5, CAND = 8192, k = 2048) a 65,536-entry row yields about
-1,800 candidates and a bracket miss has a probability of order 1e-6 for independent values.
+With the defaults (S = 4096, Z = 5, CAND = 4096, k = 2048) a 65,536-entry row yields about
+1,800 candidates (2 Z sqrt(k L / S) in general, so rows up to ~300,000 entries fit), and a
+bracket miss has a probability of order 1e-6 for independent values.
 """
 
 from __future__ import annotations
@@ -244,8 +245,8 @@ class TopkConfig:
     """``block``: entries per step of a row pass; ``cand``: candidate capacity (rows up to this
     long skip the sample); ``runs`` x ``run``: the sample; ``z``: bracket half-width in
     standard deviations of the sample rank; ``programs_per_sm``: persistent programs per SM."""
-    block: int = 4096
-    cand: int = 8192
+    block: int = 2048
+    cand: int = 4096
     runs: int = 512
     run: int = 8
     z: float = 5.0
@@ -271,7 +272,11 @@ def default_config(k: int, device: str = "cuda") -> TopkConfig:
         # Interpreter: small blocks so that short test rows take every path.
         return TopkConfig(block=64, cand=max(128, 4 * kp), runs=16, run=4, z=3.0, num_warps=4,
                           programs_per_sm=1)
-    return TopkConfig(cand=max(8192, 4 * kp))
+    # Compiled for sm_90, 8 warps with 4096 candidates take ~120 registers and no spills (two
+    # programs per SM); 8192 candidates need 16 warps to stay unspilled.
+    cand = max(4096, 2 * kp)
+    return TopkConfig(cand=cand, num_warps=8 if cand <= 4096 else 16,
+                      programs_per_sm=2 if cand <= 4096 else 1)
 
 
 def _grid_size(m: int, device: torch.device, cfg: TopkConfig) -> int:

@@ -1,0 +1,137 @@
+"""The GPU kernels compiled ahead of time for Hopper (sm_90) on the CPU, with the ptxas that
+ships in Triton's wheel: every dtype / head size / dense-paged variant the launchers can pick
+by default must compile, use wgmma, and fit in registers without spilling (a spill is the
+usual way a small kernel change quietly halves the speed). No GPU is needed; what this cannot
+show is speed or numerical results (see test_indexer_gpu.py and the benchmark)."""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("kernels are interpreted in this process; nothing to compile",
+                allow_module_level=True)
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - very old or very new Triton
+    pytest.skip("this Triton has no ASTSource/GPUTarget compile API", allow_module_level=True)
+
+import sys  # noqa: E402
+
+import indexer  # noqa: E402,F401  (the package binds its functions over the module names)
+
+logits_mod = sys.modules["indexer.logits"]
+topk_mod = sys.modules["indexer.topk"]
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+if not (BIN / "ptxas").exists():
+    pytest.skip("Triton's NVIDIA backend (ptxas) is not installed", allow_module_level=True)
+
+TARGET = GPUTarget("cuda", 90, 32)
+TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3):
+    """Compile like a launch would: ints equal to 1 become constants and ints divisible by 16
+    carry that divisibility (Triton's default specialization), pointers are 16-byte aligned."""
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointer_types:
+            signature[name] = "*" + pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints[name] == 1:
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn, signature, consts, attrs)
+    return triton.compile(src, target=TARGET,
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+LOGITS_POINTERS = dict(p_kv_scale="fp32", p_w="fp32", p_ks="i32", p_ke="i32", p_out="fp32",
+                       p_block_table="i32", p_cu_kv="i32")
+
+
+def logits_ints(h, d, paged, m=4096, n=65536, page=64):
+    """Argument values of the benchmark's launch (dense) or of a paged one over a cache of
+    ``page``-entry pages and three requests."""
+    ints = dict(M=m, N=n, num_reqs=1, n_steps=0, stride_qm=h * d, stride_qh=d,
+                stride_kv_0=d, stride_kv_1=0, stride_sc_0=1, stride_sc_1=0, stride_wm=h,
+                stride_wh=1, stride_om=logits_mod.row_stride_elems(n), stride_bt=0)
+    if paged:
+        ints.update(num_reqs=3, n_steps=2, stride_kv_0=page * d, stride_kv_1=d,
+                    stride_sc_0=page, stride_sc_1=1, stride_bt=1024)
+    return ints
+
+
+def resources(kernel) -> dict:
+    tool = BIN / "cuobjdump"
+    if not tool.exists() or shutil.which(str(tool)) is None:
+        pytest.skip("cuobjdump not shipped with this Triton")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", text)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("d", [32, 128])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_logits_kernel_compiles_for_sm90_without_spills(dtype, d, paged):
+    cfg = logits_mod.default_config(dtype, 64, d, paged)
+    t = TRITON_DTYPE[dtype]
+    kernel = compile_kernel(
+        logits_mod._logits_kernel, dict(LOGITS_POINTERS, p_q=t, p_kv=t),
+        logits_ints(64, d, paged),
+        dict(H=64, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+             PAGED=paged, PAGE=64, CLEAN=True, DOT_PRECISION="tf32"),
+        cfg.num_warps, cfg.num_stages)
+    assert "warp_group_dot" in kernel.asm["ttgir"], "expected Hopper wgmma"
+    use = resources(kernel)
+    assert use["STACK"] == 0, f"{cfg}: spills ({use})"
+
+
+def test_float32_logits_kernel_compiles():
+    cfg = logits_mod.default_config(torch.float32, 8, 64)
+    kernel = compile_kernel(
+        logits_mod._logits_kernel, dict(LOGITS_POINTERS, p_q="fp32", p_kv="fp32"),
+        logits_ints(8, 64, False, m=37, n=101),
+        dict(H=8, D=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+             PAGED=False, PAGE=1, CLEAN=False, DOT_PRECISION="ieee"),
+        cfg.num_warps, cfg.num_stages)
+    assert resources(kernel)["STACK"] == 0
+
+
+@pytest.mark.parametrize("k", [2048, 512])
+def test_topk_kernel_compiles_for_sm90_without_spills(k):
+    cfg = topk_mod.default_config(k)
+    kernel = compile_kernel(
+        topk_mod._topk_kernel,
+        dict(p_x="fp32", p_ks="i32", p_ke="i32", p_out="i32", p_scratch="i32", p_path="i8"),
+        dict(M=4096, N=65536, stride_xm=65536, stride_om=k),
+        dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK=cfg.block, CAND=cfg.cand,
+             RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z, WITH_PATH=False),
+        cfg.num_warps)
+    use = resources(kernel)
+    assert use["STACK"] == 0, f"{cfg}: spills ({use})"
+    # two programs per SM need at most 128 registers a thread at 8 warps
+    assert use["REG"] * 32 * cfg.num_warps * cfg.programs_per_sm <= 65536, use
