@@ -700,13 +700,6 @@ bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
 
 size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
 
-void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
-  pthread_mutex_lock(&a->lock);
-  a->trace = t;
-  a->trace_device = device;
-  a->trace_pool = pool;
-  pthread_mutex_unlock(&a->lock);
-}
 
 static uint64_t largest_free_locked(const ia_arena_t *a) {
   if (!a->fl_bitmap) return 0;
@@ -766,6 +759,20 @@ size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
   free(order);
   pthread_mutex_unlock(&a->lock);
   return n;
+}
+
+void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
+  pthread_mutex_lock(&a->lock);
+  bool attaching = t && t != a->trace;
+  a->trace = t;
+  a->trace_device = device;
+  a->trace_pool = pool;
+  /* A trace starts with the regions already held, so a consumer knows the arena's layout. */
+  region_t **order = attaching ? calloc(a->n_regions + 1, sizeof *order) : NULL;
+  size_t n = order ? regions_oldest_first(a, order, a->n_regions) : 0;
+  for (size_t i = 0; i < n; i++) trace(a, IA_TRACE_RESERVE, order[i]->base, order[i]->size, IA_STREAM_NONE);
+  free(order);
+  pthread_mutex_unlock(&a->lock);
 }
 
 #define CHECK(cond, ...)                                                                            \

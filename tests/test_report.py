@@ -199,4 +199,5 @@ def test_report_example_on_the_host(tmp_path, capsys):
     sizes = [e.size for e in trace.events if e.action == "alloc"]
     assert sizes == [rows * width * 4 for _s, rows, width in pieces]
     snap = export.load_trace(out / "snapshot.pickle")
-    assert snap.budget == 64 * MiB and len(snap.events) == 2 * len(pieces)
+    assert snap.budget == 64 * MiB and len(snap.events) == 1 + 2 * len(pieces)  # the reservation too
+    assert snap.events[0].action == "reserve" and snap.events[0].size == 64 * MiB
