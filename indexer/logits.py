@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LogitsConfig", "logits", "paged_logits", "kv_offsets", "default_config", "candidate_configs",
-           "set_config", "supported_dtypes", "row_stride_elems"]
+__all__ = ["LogitsConfig", "logits", "paged_logits", "kv_offsets", "default_config",
+           "candidate_configs", "set_config", "supported_dtypes", "row_stride_elems"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,15 +59,10 @@ class PrefillStats:
 
 
 def _arena_scope() -> Callable[[], contextlib.AbstractContextManager]:
-    import alloc
-    scope = getattr(alloc, "workspace", None)
-    if scope is None:
-        # An alloc without workspace() has no arena to install either, so allocating outside
-        # one is what workspace() itself would do; say so once.
-        warnings.warn("alloc.workspace() is missing; logits buffers use the default allocator",
-                      RuntimeWarning, stacklevel=3)
-        return contextlib.nullcontext
-    return scope
+    # Imported here, not at the top: the kernels, the planner and the tests that pass their own
+    # scope need no built alloc extension.
+    from alloc import workspace
+    return workspace
 
 
 def _int_list(values, name: str) -> list[int]:
@@ -88,7 +82,8 @@ def _prefix(values: list[int]) -> list[int]:
 
 
 def token_ranges(query_lens: Sequence[int], seq_lens: Sequence[int], compress_ratio: int,
-                 group_of_request: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 group_of_request: Sequence[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU int32 ``(ks, ke)`` per token: the kv columns a token sees, counted from the first kv
     entry of ``group_of_request[r]`` (the first request of its piece; by default each request
     starts its own count, as in the returned indices)."""

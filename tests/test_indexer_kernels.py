@@ -283,7 +283,7 @@ else:
             result = func(*args, **(kwargs or {}))
             if func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided):
                 frame = sys._getframe(1)
-                while frame is not None and "torch" in frame.f_code.co_filename.split(os.sep)[-3:-1]:
+                while frame is not None and "torch" in frame.f_code.co_filename.split(os.sep):
                     frame = frame.f_back
                 caller = frame.f_code.co_filename if frame else ""
                 if caller.endswith(os.path.join("indexer", "prefill.py")):

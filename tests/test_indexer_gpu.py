@@ -1,0 +1,285 @@
+"""The indexer on a GPU at real shapes: bf16 and fp8 logits against the float64 reference,
+top-k agreement, ragged rows, paged against dense, and the prefill driver with and without the
+arena allocator. Skipped without CUDA. The agreement figures are printed: run with ``-rA`` (or
+``-s``) to see them.
+
+Two references are used for the logits. ``exact``: the reference on the very inputs the kernel
+got (bf16 or fp8 values upcast), so the only differences are the kernel's float32 arithmetic;
+the tolerance is tight. ``truth``: the reference on the float32 data before quantization; the
+tolerance is the dtype's (bf16 ~1e-2, fp8 e4m3 a few 1e-2; measured on the CPU for this data:
+2.3e-3 and 3.7e-2).
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from indexer import (PagedKV, PrefillStats, logits, paged_logits, prefill_topk,
+                     row_stride_elems, token_ranges, topk)
+from indexer import reference as ref
+from indexer.topk import PATH_FALLBACK, PATH_SAMPLED
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+FP8 = torch.float8_e4m3fn
+K = 2048
+EXACT_TOL = {torch.bfloat16: 1e-5, FP8: 2e-3}
+TRUTH_TOL = {torch.bfloat16: 1e-2, FP8: 6e-2}
+# tie-aware top-k agreement with the exact-input reference (mean, min over rows), and the mean
+# with the truth (measured on the CPU: bf16 0.9986, fp8 0.978)
+EXACT_AGREE = {torch.bfloat16: (0.9999, 0.999), FP8: (0.999, 0.99)}
+TRUTH_AGREE = {torch.bfloat16: 0.99, FP8: 0.95}
+
+
+def gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def quantize(q32, kv32, dtype):
+    """(q, kv, per-row kv scale) in dtype; for fp8 kv rows are scaled to the e4m3 range."""
+    if dtype == torch.bfloat16:
+        return q32.bfloat16(), kv32.bfloat16(), torch.ones(kv32.shape[0], device=kv32.device)
+    scale = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
+    return q32.to(FP8), (kv32 / scale[:, None]).to(FP8), scale
+
+
+def ragged_rows(m, n, g):
+    """Full rows, causal rows, random ranges, rows shorter than K and empty rows."""
+    ks = torch.zeros(m, dtype=torch.int64, device="cuda")
+    ke = torch.full((m,), n, dtype=torch.int64, device="cuda")
+    kind = torch.arange(m, device="cuda") % 5
+    causal = n - m + torch.arange(m, device="cuda") + 1
+    ke = torch.where(kind == 1, causal.clamp(min=0), ke)
+    lo = torch.randint(0, n, (m,), generator=g, device="cuda")
+    hi = torch.randint(0, n + 1, (m,), generator=g, device="cuda")
+    ks = torch.where(kind == 2, torch.minimum(lo, hi), ks)
+    ke = torch.where(kind == 2, torch.maximum(lo, hi), ke)
+    short = torch.randint(0, K, (m,), generator=g, device="cuda")
+    ks = torch.where(kind == 3, n // 3, ks)
+    ke = torch.where(kind == 3, n // 3 + short, ke)
+    ks = torch.where(kind == 4, 17, ks)
+    ke = torch.where((kind == 4) & (torch.arange(m, device="cuda") % 10 == 4), 17, ke)
+    return ks.to(torch.int32), ke.clamp(max=n).to(torch.int32)
+
+
+def rel_err(out, want):
+    finite = torch.isfinite(want)
+    return ((out.double()[finite] - want[finite]).norm() / want[finite].norm()).item()
+
+
+def report(**figures):
+    print("indexer-gpu " + json.dumps({k: (round(v, 6) if isinstance(v, float) else v)
+                                       for k, v in figures.items()}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("h", [64, 32])
+def test_logits_and_topk_against_reference(dtype, h):
+    m, n, d = 1531, 7919, 128
+    g = gen(h + (1 if dtype == FP8 else 0))
+    q32 = torch.randn(m, h, d, generator=g, device="cuda")
+    kv32 = torch.randn(n, d, generator=g, device="cuda")
+    w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
+    kv_scale0 = torch.rand(n, generator=g, device="cuda") + 0.5
+    q, kv, row_scale = quantize(q32, kv32, dtype)
+    kv_scale = (kv_scale0 * row_scale).float()
+    ks, ke = ragged_rows(m, n, g)
+
+    buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
+    out = buf[:, :n]
+    logits(q, kv, kv_scale, w, ks, ke, out)
+    torch.cuda.synchronize()
+    exact = ref.logits(q, kv, kv_scale, w, ks, ke)
+    truth = ref.logits(q32, kv32, kv_scale0, w, ks, ke)
+    assert not out.isnan().any(), "unwritten entries"
+    assert buf[:, n:].isnan().all(), "written beyond column N"
+    assert torch.equal(torch.isinf(out), torch.isinf(exact)), "-inf exactly outside [ks, ke)"
+    err_exact, err_truth = rel_err(out, exact), rel_err(out, truth)
+
+    idx, path = topk(out, ks, ke, K, return_path=True)
+    valid = ref.topk_validity(out.double(), idx, ks, ke, K)
+    agree_exact = ref.topk_agreement(exact, idx, ks, ke, K)
+    agree_truth = ref.topk_agreement(truth, idx, ks, ke, K)
+    torch_idx = ref.topk(exact, ks, ke, K)
+    agree_torch = ref.topk_agreement(exact, torch_idx, ks, ke, K)
+    report(test="logits+topk", dtype=str(dtype), H=h, M=m, N=n, rel_err_exact=err_exact,
+           rel_err_truth=err_truth, topk_valid_rows=int(valid.sum()), rows=m,
+           agree_exact_mean=agree_exact.mean().item(), agree_exact_min=agree_exact.min().item(),
+           agree_truth_mean=agree_truth.mean().item(), agree_truth_min=agree_truth.min().item(),
+           paths=torch.bincount(path.long(), minlength=4).tolist())
+    assert err_exact < EXACT_TOL[dtype]
+    assert err_truth < TRUTH_TOL[dtype]
+    assert valid.all(), "the top-k must be exact for the logits it was given"
+    assert agree_torch.min().item() == 1.0, "sanity: torch.topk agrees with itself"
+    mean_min = EXACT_AGREE[dtype]
+    assert agree_exact.mean().item() >= mean_min[0] and agree_exact.min().item() >= mean_min[1]
+    assert agree_truth.mean().item() >= TRUTH_AGREE[dtype]
+
+
+def test_topk_long_rows_ties_and_paths():
+    m, n = 2048, 65536
+    g = gen(7)
+    x = torch.randn(m, n, generator=g, device="cuda")
+    ks, ke = ragged_rows(m, n, g)
+    x[5] = 1.0                                                  # all ties
+    x[6] = torch.randint(0, 4, (n,), generator=g, device="cuda").float()
+    out, path = topk(x, ks, ke, K, return_path=True)
+    valid = ref.topk_validity(x.double(), out, ks, ke, K)
+    counts = torch.bincount(path.long(), minlength=4).tolist()
+    report(test="topk", M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
+    assert valid.all()
+    assert path[5].item() == PATH_FALLBACK
+    assert counts[PATH_SAMPLED] > m // 2
+    assert counts[PATH_FALLBACK] <= 10, "the sample bracket should rarely miss on random rows"
+
+
+def make_paged(kv, kv_scale, kv_lens, page, g):
+    d = kv.shape[1]
+    pages = [-(-n // page) for n in kv_lens]
+    total = sum(pages) + 5
+    cache = torch.randn(total, page, d, generator=g, device="cuda").to(kv.dtype)
+    scale = torch.rand(total, page, generator=g, device="cuda") + 3.0
+    order = torch.randperm(total, generator=g, device="cuda").tolist()
+    table = torch.zeros(len(kv_lens), max(pages) + 1, dtype=torch.int32, device="cuda")
+    start = 0
+    for r, n in enumerate(kv_lens):
+        for b in range(pages[r]):
+            blk = order.pop()
+            table[r, b] = blk
+            cnt = min(page, n - b * page)
+            cache[blk, :cnt] = kv[start + b * page:start + b * page + cnt]
+            scale[blk, :cnt] = kv_scale[start + b * page:start + b * page + cnt]
+        start += n
+    return cache, scale, table
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_paged_equals_dense(dtype):
+    h, d, ratio, page = 64, 128, 4, 64
+    context = [9001, 20000, 0, 3003]
+    kv_lens = [c // ratio for c in context]
+    n, m = sum(kv_lens), 1024
+    g = gen(11)
+    q, kv, row_scale = quantize(torch.randn(m, h, d, generator=g, device="cuda"),
+                                torch.randn(n, d, generator=g, device="cuda"), dtype)
+    kv_scale = row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)
+    w = torch.randn(m, h, generator=g, device="cuda")
+    ks, ke = ragged_rows(m, n, g)
+    cache, scale, table = make_paged(kv, kv_scale, kv_lens, page, g)
+    dense = logits(q, kv, kv_scale, w, ks, ke)
+    paged = paged_logits(q, cache, scale, w, ks, ke, table,
+                         torch.tensor(context, dtype=torch.int32, device="cuda"), ratio,
+                         n_cols=n)
+    assert torch.equal(dense, paged)
+
+
+# --- the driver --------------------------------------------------------------------------------
+
+QUERY_LENS = [2048, 100, 3000]
+SEQ_LENS = [16384, 100, 12000]
+RATIO = 4
+BUDGET = 16 << 20
+
+
+def driver_batch(seed=21):
+    g = gen(seed)
+    t = sum(QUERY_LENS)
+    nkv = sum(s // RATIO for s in SEQ_LENS)
+    q, kv, row_scale = quantize(torch.randn(t, 64, 128, generator=g, device="cuda"),
+                                torch.randn(nkv, 128, generator=g, device="cuda"), FP8)
+    w = torch.randn(t, 64, generator=g, device="cuda") / 8
+    return q, w, kv, row_scale.float()
+
+
+def alloc_available() -> bool:
+    try:
+        import alloc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def run_driver(stats=None):
+    q, w, kv, kv_scale = driver_batch()
+    # The default scope is alloc.workspace(); without a built alloc extension, a no-op scope.
+    scope = None if alloc_available() else contextlib.nullcontext
+    return prefill_topk(q, w, QUERY_LENS, SEQ_LENS, kv=kv, kv_scale=kv_scale, k=K,
+                        max_logits_bytes=BUDGET, compress_ratio=RATIO, stats=stats,
+                        workspace=scope)
+
+
+def test_prefill_driver_matches_whole_request_computation():
+    stats = PrefillStats()
+    got = run_driver(stats)
+    q, w, kv, kv_scale = driver_batch()
+    ks, ke = token_ranges(QUERY_LENS, SEQ_LENS, RATIO)
+    ks, ke = ks.cuda(), ke.cuda()
+    t0 = c0 = 0
+    agreements = []
+    for ql, sl in zip(QUERY_LENS, SEQ_LENS):
+        rows, cols = slice(t0, t0 + ql), slice(c0, c0 + sl // RATIO)
+        whole = logits(q[rows], kv[cols], kv_scale[cols], w[rows], ks[rows], ke[rows])
+        want = topk(whole, ks[rows], ke[rows], K)
+        # the same set per row; the order inside a row depends on which path a row took
+        assert torch.equal(got[rows].sort(1).values, want.sort(1).values)
+        exact = ref.logits(q[rows], kv[cols], kv_scale[cols], w[rows], ks[rows], ke[rows])
+        agreements.append(ref.topk_agreement(exact, got[rows], ks[rows], ke[rows], K))
+        t0, c0 = t0 + ql, c0 + sl // RATIO
+    agree = torch.cat(agreements)
+    # the paged driver on the same kv, scattered over a cache: the same indices
+    kv_lens = [s // RATIO for s in SEQ_LENS]
+    cache, scale, table = make_paged(kv, kv_scale, kv_lens, 64, gen(22))
+    scope = None if alloc_available() else contextlib.nullcontext
+    paged = prefill_topk(q, w, QUERY_LENS, SEQ_LENS, paged=PagedKV(cache, scale, table), k=K,
+                         max_logits_bytes=BUDGET, compress_ratio=RATIO, workspace=scope)
+    assert torch.equal(paged, got)
+    report(test="driver", pieces=stats.pieces, max_piece_bytes=stats.max_piece_bytes,
+           budget=BUDGET, agree_exact_mean=agree.mean().item(), agree_exact_min=agree.min().item())
+    assert stats.pieces > 3 and stats.max_piece_bytes <= BUDGET
+    assert agree.mean().item() >= EXACT_AGREE[FP8][0]
+
+
+def test_prefill_same_indices_with_and_without_the_arena(tmp_path):
+    if not alloc_available():
+        pytest.skip("the alloc extension is not built")
+    plain = run_driver().cpu()
+    out = tmp_path / "arena.pt"
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("INDEXER_ARENA_CONF", None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--arena-child",
+                           str(out)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    report(test="arena", **child)
+    assert child["installed"]
+    assert child["workspace_requests"] == child["pieces"], "every logits buffer from the arena"
+    assert child["max_piece_bytes"] <= child["workspace_peak"] <= 64 << 20
+    assert torch.equal(torch.load(out), plain)
+
+
+def _arena_child(path: str) -> None:
+    import alloc
+    alloc.install(alloc.Config(budget_mb=64))
+    stats = PrefillStats()
+    idx = run_driver(stats)
+    torch.cuda.synchronize()
+    ms = alloc.memory_stats()
+    torch.save(idx.cpu(), path)
+    print(json.dumps(dict(installed=alloc.is_installed(), pieces=stats.pieces,
+                          max_piece_bytes=stats.max_piece_bytes,
+                          workspace_requests=int(ms["arena.workspace.requests_served"]),
+                          workspace_peak=int(ms["arena.workspace.in_use_peak"]))))
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--arena-child":
+    _arena_child(sys.argv[2])
