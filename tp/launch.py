@@ -363,15 +363,25 @@ def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
             p.wait()
 
 
-def _run_target(module: bool, target: str, args: list[str]) -> None:
-    if module:
-        sys.argv = [target, *args]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = [target, *args]
-        # As `python SCRIPT` would: the script's directory first on the path.
-        sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-        runpy.run_path(target, run_name="__main__")
+def _run_target(module: bool, target: str, args: list[str]) -> int:
+    """Runs the rank's program as __main__; its exit status (a script ending in
+    ``sys.exit(main())`` raises SystemExit even when it succeeds)."""
+    sys.argv = [target, *args]
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            # As `python SCRIPT` would: the script's directory first on the path.
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -409,13 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as e:
         print(f"tp.launch: {e}", file=sys.stderr)
         return 2
-    _run_target(args.module, args.target, args.args)
+    code = _run_target(args.module, args.target, args.args)
     import torch.distributed as dist
     if dist.is_initialized():
-        # Only after a clean run: a rank that raised leaves its peers mid-collective, and the
-        # launcher stops them instead.
+        # Only after the program returned: one that raised leaves its peers mid-collective, and
+        # the launcher stops them instead of waiting on a teardown that cannot finish.
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
