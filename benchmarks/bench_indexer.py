@@ -1,0 +1,503 @@
+#!/usr/bin/env python
+"""Benchmark of the indexer's prefill path on one GPU (written for an H200).
+
+    python benchmarks/bench_indexer.py --json results.json
+
+Prints one table and writes it as JSON:
+
+- ceilings measured in this run: bf16 ``torch.matmul`` and fp8 ``torch._scaled_mm`` (fast
+  accumulation, like the kernel's), 8192^3;
+- logits kernel TFLOP/s at M=4096, N=65536, H=64, D=128 (2*M*N*H*D counting only pairs inside
+  [ks, ke)), bf16 and fp8, full rows and causal rows, beside the ceiling and the float32 torch
+  reference; goals: bf16 >= 95% of matmul, fp8 >= 90% of _scaled_mm, causal >= 1.8x faster;
+- top-k of 2048 per row over [4096, 65536] float32 logits against torch.topk (goal >= 4x,
+  identical sets);
+- one indexer layer's chunked prefill of a 254,000-token prompt in 3,200-token chunks (fp8,
+  compress ratio 4, logits budget 512 MiB): wall time, its split into logits / top-k / else
+  (goal: else < 5%), pieces and device memory — with PyTorch's caching allocator here, and,
+  when the alloc extension is built, again in a child process with the arena installed.
+
+Before the table, a sweep times the candidate tile configs of both kernels at the benchmark
+shape; the table uses the fastest (``--no-sweep``: the built-in defaults). All timings are
+``triton.testing.do_bench`` medians on fresh random data.
+
+``--smoke`` runs every section at toy sizes on the CPU under the Triton interpreter, to check
+the script itself without a GPU (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the results there as JSON")
+    p.add_argument("--only", default="ceilings,sweep,logits,topk,prefill",
+                   help="comma-separated sections to run (default: all)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
+    p.add_argument("--no-arena-run", action="store_true",
+                   help="do not re-run the prefill with the arena installed")
+    p.add_argument("--arena", action="store_true",
+                   help="install the alloc arena first (used by the child run)")
+    p.add_argument("--logits-config", help="BLOCK_M,BLOCK_N,warps,stages for fp8 H=64 D=128")
+    p.add_argument("--topk-config", help="block,cand,warps,programs_per_sm")
+    p.add_argument("--prompt", type=int, default=254_000)
+    p.add_argument("--chunk", type=int, default=3_200)
+    p.add_argument("--budget-mb", type=int, default=512)
+    p.add_argument("--smoke", action="store_true",
+                   help="toy sizes on the CPU (Triton interpreter); checks the script only")
+    return p.parse_args(argv)
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.smoke:
+    os.environ["TRITON_INTERPRET"] = "1"     # before triton is imported
+if ARGS is not None and ARGS.arena:
+    import alloc                              # the arena must be PyTorch's allocator before CUDA
+    alloc.install(alloc.Config(budget_mb=ARGS.budget_mb))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import indexer  # noqa: E402
+from indexer import (LogitsConfig, PrefillStats, TopkConfig, prefill_topk,  # noqa: E402
+                     row_stride_elems)
+from indexer import reference as ref  # noqa: E402
+
+logits_mod = sys.modules["indexer.logits"]
+topk_mod = sys.modules["indexer.topk"]
+FP8 = torch.float8_e4m3fn
+
+
+class Bench:
+    def __init__(self, smoke: bool):
+        self.smoke = smoke
+        self.device = torch.device("cpu" if smoke else "cuda")
+        if smoke:
+            self.M, self.N, self.H, self.D, self.K = 24, 200, 8, 32, 16
+            self.dtypes = [torch.float32]
+            self.mm = 128
+        else:
+            self.M, self.N, self.H, self.D, self.K = 4096, 65536, 64, 128, 2048
+            self.dtypes = [torch.bfloat16, FP8]
+            self.mm = 8192
+        self.rows: list[dict] = []
+        self.results: dict = {}
+        self.gen = torch.Generator(device=self.device).manual_seed(1234)
+
+    # -- helpers --------------------------------------------------------------------------------
+    def ms(self, fn, rep=200) -> float:
+        if self.smoke:
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(times)
+        return triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+    def randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen, device=self.device)
+
+    def rand(self, *shape):
+        return torch.rand(*shape, generator=self.gen, device=self.device)
+
+    def row(self, section, case, value, unit, versus="", ratio=None, goal="", met=None):
+        self.rows.append(dict(section=section, case=case, value=value, unit=unit, versus=versus,
+                              ratio=ratio, goal=goal, met=met))
+        r = f"{ratio:.3f}" if ratio is not None else ""
+        print(f"  {section:<14} {case:<34} {value:>12.3f} {unit:<8} {r:>7} {goal}",
+              file=sys.stderr, flush=True)
+
+    def inputs(self, dtype, causal):
+        m, n, h, d = self.M, self.N, self.H, self.D
+        q32 = self.randn(m, h, d)
+        kv32 = self.randn(n, d)
+        w = self.randn(m, h) / h ** 0.5
+        scale = self.rand(n) + 0.5
+        if dtype == FP8:
+            row = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
+            q, kv, scale = q32.to(FP8), (kv32 / row[:, None]).to(FP8), scale * row
+        else:
+            q, kv = q32.to(dtype), kv32.to(dtype)
+        ks = torch.zeros(m, dtype=torch.int32, device=self.device)
+        if causal:
+            ke = (n - m + torch.arange(m, device=self.device) + 1).to(torch.int32)
+        else:
+            ke = torch.full((m,), n, dtype=torch.int32, device=self.device)
+        pairs = int((ke - ks).sum())
+        return q, kv, scale.float(), w, ks, ke, pairs
+
+    # -- sections -------------------------------------------------------------------------------
+    def ceilings(self):
+        n = self.mm
+        flops = 2 * n ** 3
+        a, b = self.randn(n, n), self.randn(n, n)
+        if self.smoke:
+            t = self.ms(lambda: a @ b)
+            self.results["ceiling_tflops"] = {"float32": flops / t / 1e9}
+            self.row("ceiling", "float32 torch.matmul", flops / t / 1e9, "TFLOP/s")
+            return
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        t = self.ms(lambda: torch.matmul(a16, b16))
+        self.results["ceiling_tflops"] = {"bf16": flops / t / 1e9}
+        self.row("ceiling", f"bf16 torch.matmul {n}^3", flops / t / 1e9, "TFLOP/s")
+        a8, b8 = a.to(FP8), b.to(FP8).t()            # _scaled_mm wants b column-major
+        one = torch.ones((), device=self.device)
+        t = self.ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                             out_dtype=torch.bfloat16, use_fast_accum=True))
+        self.results["ceiling_tflops"]["fp8"] = flops / t / 1e9
+        self.row("ceiling", f"fp8 torch._scaled_mm {n}^3", flops / t / 1e9, "TFLOP/s")
+
+    def _logits_tflops(self, args, pairs, config=None, clean=True):
+        q, kv, scale, w, ks, ke = args
+        out = torch.empty((self.M, row_stride_elems(self.N)), dtype=torch.float32,
+                          device=self.device)[:, :self.N]
+        t = self.ms(lambda: indexer.logits(q, kv, scale, w, ks, ke, out, clean=clean,
+                                           config=config))
+        return 2 * pairs * self.H * self.D / t / 1e9, t
+
+    def sweep(self):
+        out = {}
+        for dtype in self.dtypes:
+            q, kv, scale, w, ks, ke, pairs = self.inputs(dtype, causal=False)
+            cands = ([logits_mod.default_config(dtype, self.H, self.D, device=self.device.type)]
+                     if self.smoke else logits_mod.candidate_configs(dtype, self.D))
+            timings = []
+            for cfg in cands:
+                try:
+                    tf, _ = self._logits_tflops((q, kv, scale, w, ks, ke), pairs, cfg)
+                except Exception as e:  # a config the compiler rejects is reported, not fatal
+                    print(f"  sweep {dtype} {cfg}: failed: {e!r:.200}", file=sys.stderr)
+                    continue
+                timings.append((tf, cfg))
+                self.row("sweep logits", f"{dtype_name(dtype)} {cfg}", tf, "TFLOP/s")
+            best = max(timings, key=lambda x: x[0])[1]
+            if not self.smoke:
+                for paged in (False, True):
+                    logits_mod.set_config(dtype, self.H, self.D, paged, best)
+            out[dtype_name(dtype)] = {"best": str(best), "all": {str(c): tf for tf, c in timings}}
+        # top-k
+        x = self.randn(self.M, self.N)
+        ks = torch.zeros(self.M, dtype=torch.int32, device=self.device)
+        ke = torch.full((self.M,), self.N, dtype=torch.int32, device=self.device)
+        base = topk_mod.default_config(self.K, self.device.type)
+        cands = [base]
+        if not self.smoke:
+            cands += [TopkConfig(block=1024, cand=base.cand), TopkConfig(programs_per_sm=3),
+                      TopkConfig(programs_per_sm=1), TopkConfig(block=2048, cand=8192,
+                                                                num_warps=16, programs_per_sm=1)]
+        timings = []
+        for cfg in cands:
+            try:
+                t = self.ms(lambda: indexer.topk(x, ks, ke, self.K, config=cfg))
+            except Exception as e:
+                print(f"  sweep topk {cfg}: failed: {e!r:.200}", file=sys.stderr)
+                continue
+            timings.append((t, cfg))
+            self.row("sweep topk", topk_name(cfg), t, "ms")
+        self.topk_config = min(timings, key=lambda x: x[0])[1]
+        out["topk"] = {"best": topk_name(self.topk_config),
+                       "all": {topk_name(c): t for t, c in timings}}
+        self.results["sweep"] = out
+
+    def logits(self):
+        ceil = self.results.get("ceiling_tflops", {})
+        res = {}
+        for dtype in self.dtypes:
+            name = dtype_name(dtype)
+            c = ceil.get(name)
+            entry = {}
+            for causal in (False, True):
+                q, kv, scale, w, ks, ke, pairs = self.inputs(dtype, causal)
+                args = (q, kv, scale, w, ks, ke)
+                tf, t = self._logits_tflops(args, pairs)
+                t_ref = self.ms(lambda: ref.logits(q, kv, scale, w, ks, ke, dtype=torch.float32,
+                                                   max_temp_bytes=2 << 30), rep=50)
+                rows = "causal rows" if causal else "full rows"
+                goal = {torch.bfloat16: 0.95, FP8: 0.90}.get(dtype)
+                self.row(f"logits {name}", rows, tf, "TFLOP/s", f"ceiling {name}",
+                         tf / c if c else None,
+                         f">= {goal:.0%} of ceiling" if (goal and not causal) else "",
+                         (tf / c >= goal) if (c and goal and not causal) else None)
+                ref_tf = 2 * pairs * self.H * self.D / t_ref / 1e9
+                self.row(f"logits {name}", f"{rows}: torch reference (fp32)", ref_tf,
+                         "TFLOP/s", "kernel/ref time", t_ref / t)
+                entry["causal" if causal else "full"] = dict(
+                    ms=t, tflops=tf, pairs=pairs, fraction_of_ceiling=tf / c if c else None,
+                    reference_ms=t_ref, reference_tflops=ref_tf)
+                if causal:
+                    _, t_unclean = self._logits_tflops(args, pairs, clean=False)
+                    entry["causal"]["ms_unclean"] = t_unclean
+                    speed = entry["full"]["ms"] / t
+                    self.row(f"logits {name}", "causal speedup over full (time)", speed, "x",
+                             "", None, ">= 1.8x", speed >= 1.8)
+                    self.row(f"logits {name}", "causal, clean=False (driver's mode)",
+                             2 * pairs * self.H * self.D / t_unclean / 1e9, "TFLOP/s")
+                    entry["causal_speedup"] = speed
+            entry["config"] = str(logits_mod.default_config(dtype, self.H, self.D,
+                                                            device=self.device.type))
+            res[name] = entry
+        self.results["logits"] = res
+
+    def topk(self):
+        cfg = getattr(self, "topk_config", None)
+        res = {"config": topk_name(cfg or topk_mod.default_config(self.K, self.device.type))}
+        for causal in (False, True):
+            x = self.randn(self.M, self.N)
+            ks = torch.zeros(self.M, dtype=torch.int32, device=self.device)
+            if causal:
+                ke = (self.N - self.M + torch.arange(self.M, device=self.device) + 1
+                      ).to(torch.int32)
+                cols = torch.arange(self.N, device=self.device)
+                x = x.masked_fill(cols[None, :] >= ke[:, None], float("-inf"))
+            else:
+                ke = torch.full((self.M,), self.N, dtype=torch.int32, device=self.device)
+            out = torch.empty((self.M, self.K), dtype=torch.int32, device=self.device)
+            t = self.ms(lambda: indexer.topk(x, ks, ke, self.K, out, config=cfg))
+            t_unsorted = self.ms(lambda: torch.topk(x, self.K, dim=1, sorted=False))
+            t_sorted = self.ms(lambda: torch.topk(x, self.K, dim=1, sorted=True))
+            _, path = indexer.topk(x, ks, ke, self.K, out, config=cfg, return_path=True)
+            theirs = torch.topk(x, self.K, dim=1, sorted=False).indices
+            same = torch.equal(out.long().sort(1).values, theirs.sort(1).values)
+            valid = ref.topk_validity(x, out, ks, ke, self.K)
+            rows = "causal rows" if causal else "full rows"
+            self.row(f"topk {self.K}", f"{rows}: kernel", t, "ms")
+            self.row(f"topk {self.K}", f"{rows}: vs torch.topk(sorted=False)", t_unsorted / t, "x",
+                     "", None, ">= 4x", t_unsorted / t >= 4)
+            self.row(f"topk {self.K}", f"{rows}: vs torch.topk(sorted=True)", t_sorted / t, "x")
+            self.row(f"topk {self.K}", f"{rows}: identical sets / exact rows",
+                     float(same), "bool", "", float(valid.float().mean()), "identical", same)
+            res["causal" if causal else "full"] = dict(
+                ms=t, torch_unsorted_ms=t_unsorted, torch_sorted_ms=t_sorted,
+                speedup_unsorted=t_unsorted / t, speedup_sorted=t_sorted / t,
+                identical_sets=same, exact_rows=int(valid.sum()), rows=self.M,
+                paths=torch.bincount(path.long(), minlength=4).tolist())
+        self.results["topk"] = res
+
+    def prefill(self, arena_installed: bool):
+        smoke = self.smoke
+        prompt = 240 if smoke else ARGS.prompt
+        chunk = 100 if smoke else ARGS.chunk
+        budget = (16 << 10) if smoke else ARGS.budget_mb << 20
+        ratio, h, d, k = 4, self.H, self.D, self.K
+        dtype = torch.float32 if smoke else FP8
+        n_kv = prompt // ratio
+        q_all = self.randn(prompt, h, d).to(dtype)
+        w_all = self.randn(prompt, h) / h ** 0.5
+        kv32 = self.randn(n_kv, d)
+        row = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
+        kv_all = (kv32 / row[:, None]).to(dtype)
+        scale_all = (row * (self.rand(n_kv) + 0.5)).float()
+        out = torch.empty((chunk, k), dtype=torch.int32, device=self.device)
+        tcfg = getattr(self, "topk_config", None)
+        scope = None if alloc_importable() else contextlib.nullcontext
+
+        def run(stats=None):
+            for t0 in range(0, prompt, chunk):
+                ql = min(chunk, prompt - t0)
+                seq = t0 + ql
+                prefill_topk(q_all[t0:seq], w_all[t0:seq], [ql], [seq],
+                             kv=kv_all[:seq // ratio], kv_scale=scale_all[:seq // ratio], k=k,
+                             max_logits_bytes=budget, compress_ratio=ratio, out=out[:ql],
+                             stats=stats, topk_config=tcfg, workspace=scope)
+
+        def sync():
+            if not smoke:
+                torch.cuda.synchronize()
+
+        # Memory is measured over the first pass, when an allocator meets every piece size
+        # for the first time (the caching allocator grows there; later passes reuse its cache).
+        # Triton compiles its specializations during that pass too; compiling takes no device
+        # memory, but it makes this pass's time meaningless, so it is not timed.
+        sync()
+        reset_memory(arena_installed, smoke)
+        mem0 = memory(arena_installed, smoke)
+        run()
+        sync()
+        mem1 = memory(arena_installed, smoke)
+        walls = []
+        for _ in range(1 if smoke else 3):
+            sync()
+            t = time.perf_counter()
+            run()
+            sync()
+            walls.append(time.perf_counter() - t)
+        stats = PrefillStats()
+        sync()
+        t = time.perf_counter()
+        run(stats)
+        sync()
+        wall_timed = time.perf_counter() - t
+        wall = statistics.median(walls)
+        other = wall - stats.logits_s - stats.topk_s
+        tag = "prefill arena" if arena_installed else "prefill"
+        res = dict(prompt=prompt, chunk=chunk, compress_ratio=ratio, budget_bytes=budget,
+                   dtype=dtype_name(dtype), wall_s=wall, walls_s=walls,
+                   instrumented_wall_s=wall_timed, logits_s=stats.logits_s,
+                   topk_s=stats.topk_s, else_s=other, else_fraction=other / wall,
+                   pieces=stats.pieces, max_piece_bytes=stats.max_piece_bytes,
+                   arena_installed=arena_installed, memory_before=mem0, memory_after=mem1)
+        self.row(tag, f"{prompt} tokens / {chunk}: wall", wall * 1e3, "ms")
+        self.row(tag, "logits", stats.logits_s * 1e3, "ms", "of wall", stats.logits_s / wall)
+        self.row(tag, "top-k", stats.topk_s * 1e3, "ms", "of wall", stats.topk_s / wall)
+        self.row(tag, "everything else", other * 1e3, "ms", "of wall", other / wall, "< 5%",
+                 other / wall < 0.05)
+        self.row(tag, f"pieces (max {stats.max_piece_bytes / 2**20:.1f} MiB)", stats.pieces,
+                 "pieces")
+        if not smoke:
+            taken = (mem0["free"] - mem1["free"]) / 2**20
+            self.row(tag, "device memory taken by the 1st pass", taken, "MiB",
+                     "cudaMemGetInfo")
+            self.row(tag, "peak allocated over the 1st pass",
+                     (mem1["peak_allocated"] - mem0["allocated"]) / 2**20, "MiB")
+            self.row(tag, "peak reserved over the 1st pass",
+                     (mem1["peak_reserved"] - mem0["reserved"]) / 2**20, "MiB")
+            res["device_memory_taken_mib"] = taken
+        self.results["prefill_arena" if arena_installed else "prefill"] = res
+
+
+def reset_memory(arena_installed: bool, smoke: bool) -> None:
+    if smoke:
+        return
+    if arena_installed:
+        import alloc
+        alloc.reset_peak_memory_stats()
+    else:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory(arena_installed: bool, smoke: bool) -> dict:
+    if smoke:
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    if arena_installed:
+        import alloc
+        return dict(free=free, total=total, allocated=alloc.memory_allocated(),
+                    peak_allocated=alloc.max_memory_allocated(),
+                    reserved=alloc.memory_reserved(), peak_reserved=alloc.max_memory_reserved())
+    return dict(free=free, total=total, allocated=torch.cuda.memory_allocated(),
+                peak_allocated=torch.cuda.max_memory_allocated(),
+                reserved=torch.cuda.memory_reserved(),
+                peak_reserved=torch.cuda.max_memory_reserved())
+
+
+def alloc_importable() -> bool:
+    try:
+        import alloc  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def dtype_name(dtype) -> str:
+    return {torch.bfloat16: "bf16", FP8: "fp8", torch.float32: "float32"}.get(dtype, str(dtype))
+
+
+def topk_name(cfg: TopkConfig) -> str:
+    return (f"block {cfg.block} cand {cfg.cand} w{cfg.num_warps} "
+            f"x{cfg.programs_per_sm}/SM")
+
+
+def parse_logits_config(text):
+    return LogitsConfig(*(int(v) for v in text.split(","))) if text else None
+
+
+def parse_topk_config(text):
+    if not text:
+        return None
+    block, cand, warps, pps = (int(v) for v in text.split(","))
+    return TopkConfig(block=block, cand=cand, num_warps=warps, programs_per_sm=pps)
+
+
+def print_table(rows):
+    print()
+    print(f"{'section':<16} {'case':<40} {'value':>12} {'unit':<8} {'ratio':>8}  "
+          f"{'vs':<16} {'goal':<20} met")
+    print("-" * 132)
+    for r in rows:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+        met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
+        print(f"{r['section']:<16} {r['case']:<40} {r['value']:>12.3f} {r['unit']:<8} "
+              f"{ratio:>8}  {r['versus']:<16} {r['goal']:<20} {met}")
+
+
+def main():
+    args = ARGS
+    only = set(args.only.split(","))
+    b = Bench(args.smoke)
+    info = dict(torch=torch.__version__, triton=triton.__version__, smoke=args.smoke,
+                arena_installed=bool(args.arena),
+                time=time.strftime("%Y-%m-%d %H:%M:%S %Z"), argv=sys.argv[1:])
+    if not args.smoke:
+        info["device"] = torch.cuda.get_device_name()
+    b.results["info"] = info
+    print(f"# bench_indexer: {info}", file=sys.stderr)
+    fixed = parse_logits_config(args.logits_config)
+    if fixed is not None:
+        for paged in (False, True):
+            logits_mod.set_config(FP8, b.H, b.D, paged, fixed)
+    if args.topk_config:
+        b.topk_config = parse_topk_config(args.topk_config)
+    if "ceilings" in only:
+        b.ceilings()
+    if "sweep" in only and not args.no_sweep:
+        b.sweep()
+    if "logits" in only:
+        b.logits()
+    if "topk" in only:
+        b.topk()
+    if "prefill" in only:
+        b.prefill(arena_installed=bool(args.arena))
+        if not (args.arena or args.no_arena_run or args.smoke):
+            child_run(b)
+    print_table(b.rows)
+    if args.json:
+        b.results["table"] = b.rows
+        Path(args.json).write_text(json.dumps(b.results, indent=2, default=str))
+        print(f"\nwrote {args.json}")
+
+
+def child_run(b: Bench) -> None:
+    """The prefill again in a fresh process whose allocator is the arena (installing it must
+    precede CUDA's initialisation, which this process is long past)."""
+    if not alloc_importable():
+        b.results["prefill_arena"] = {"skipped": "the alloc extension is not built"}
+        return
+    import tempfile
+    cfg = logits_mod.default_config(FP8, b.H, b.D)
+    tk = getattr(b, "topk_config", None) or topk_mod.default_config(b.K)
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--arena", "--only", "prefill",
+           "--json", path, "--prompt", str(ARGS.prompt), "--chunk", str(ARGS.chunk),
+           "--budget-mb", str(ARGS.budget_mb),
+           "--logits-config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}",
+           "--topk-config", f"{tk.block},{tk.cand},{tk.num_warps},{tk.programs_per_sm}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        b.results["prefill_arena"] = {"failed": proc.stderr[-3000:]}
+        print(f"arena run failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return
+    child = json.loads(Path(path).read_text())
+    os.unlink(path)
+    b.results["prefill_arena"] = child.get("prefill_arena")
+    b.rows.extend(r for r in child.get("table", []) if r["section"] == "prefill arena")
+
+
+if __name__ == "__main__":
+    main()
