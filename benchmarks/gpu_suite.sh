@@ -2,7 +2,8 @@
 # Everything GPU-side in one call on a bare machine: install the carried wheels, build the C core
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON under $OUT (default ./gpu-out).
-#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer] [replay]
+#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer] [replay] [tp]
+# (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-out}"
@@ -47,6 +48,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
       step llama $py benchmarks/bench_llama.py --json "$OUT/llama.json"
       step arena_micro $py benchmarks/bench_arena.py --json "$OUT/arena_micro.json" ;;
     indexer) step indexer_bench $py benchmarks/bench_indexer.py --json "$OUT/indexer.json" ;;
+    tp) step tp_seed $py benchmarks/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     replay)
       step report_example $py benchmarks/report_example.py "$OUT/report"
       step replay $py -m alloc replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;

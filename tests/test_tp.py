@@ -181,8 +181,8 @@ def test_seed_program_helpers():
     assert len(seed.chunks(254_000, 3_200)) == 80
     assert seed._sample_rows(3200, 4) == [0, 1066, 2133, 3199]
     assert seed._sample_rows(1, 4) == [0]
-    assert seed.plan_runs(["arena", "default"], 2, True) == [("arena", 2), ("default", 2),
-                                                             ("arena", 1)]
+    assert seed.plan_runs(["arena", "default"], 2, True) == [("arena", 1), ("arena", 2),
+                                                             ("default", 2)]
     assert seed.plan_runs(["arena", "default"], 1, True) == [("arena", 1), ("default", 1)]
 
 
@@ -232,3 +232,65 @@ def test_torchrun_alone_makes_the_seed_program_a_rank(tmp_path):
     run = json.loads(out.read_text())
     assert run["ok"] and run["world_size"] == 1 and run["backend"] == "gloo"
     assert math.isfinite(run["ranks"][0]["mlp_check"]["rel_err"])
+
+
+def _gpu_like_run(seed, allocator: str, world: int, budget: int) -> dict:
+    """A run record shaped as a GPU rank writes it (numbers made up), to put the reporting code
+    that only GPU runs reach through its paces here."""
+    ranks = []
+    for rank in range(world):
+        rows = []
+        for i, (_, seen) in enumerate(seed.chunks(254_000, 3_200), 1):
+            grow = 0 if allocator == "arena" else i * 10 * 2**20
+            ws = None if allocator != "arena" else {
+                "capacity": budget, "in_use_peak": budget // 2, "backend_reserves": 1,
+                "requests_served": i, "requests_failed": 0}
+            rows.append({"chunk": i, "tokens": seen, "step_s": 0.02, "mlp_s": 0.01,
+                         "indexer_s": 0.01, "device_bytes": 1500 * 2**20 + grow,
+                         "allocator_reserved": 900 * 2**20 + grow, "workspace": ws,
+                         "indices_sha256": f"i{i}", "hidden_sha256": f"h{i}"})
+        ranks.append({
+            "rank": rank, "device": f"cuda:{rank}", "device_name": "NVIDIA H200", "chunks": rows,
+            "context": {"process_group_cost": {"device": 300 * 2**20, "allocator": 2 * 2**20,
+                                               "outside": 298 * 2**20}},
+            "full_allreduce_cost": {"device": 60 * 2**20, "allocator": 44 * 2**20,
+                                    "outside": 16 * 2**20},
+            "weights_bytes": 396 * 2**20, "loop_s": 9.0,
+            "mlp_check": {"ok": True, "rel_err": 4e-3},
+            "index_check": {"ok": True, "min_agreement": 0.9995},
+            "workspace_check": seed._check_workspace(rows, budget) if allocator == "arena"
+            else None})
+    return {"allocator": allocator, "world_size": world, "backend": "nccl", "ok": True,
+            "ranks": ranks}
+
+
+def test_seed_program_reports_gpu_runs(capsys):
+    seed = _load_tp_seed()
+    budget = 512 * 2**20
+    results = [{"allocator": a, "world_size": w, "exit_status": 0,
+                "run": _gpu_like_run(seed, a, w, budget)}
+               for a, w in (("arena", 1), ("arena", 2), ("default", 2))]
+    results.append({"allocator": "default", "world_size": 1, "exit_status": 1})
+    assert all(r["workspace_check"]["ok"] for r in results[0]["run"]["ranks"])
+    cmp_ = seed.compare_runs(results)
+    assert cmp_["reference"] == "arena x1" and not cmp_["ok"]
+    assert cmp_["failed"] == ["default x1: exit 1"]
+    assert all(p["equal"] for per in cmp_["matches"].values() for p in per)
+    s = seed.rank_summary(results[1]["run"], results[1]["run"]["ranks"][1])
+    assert s["loop_growth"] == 0 and s["workspace_device_calls"] == 1
+    assert s["at_headline"] == 1500 * 2**20 and s["headline_tokens"] == 166_400
+    cells = seed.summary_cells(s)
+    assert cells[7] == "512" and cells[9] == "314" and cells[10] == "46"
+    d = seed.rank_summary(results[2]["run"], results[2]["run"]["ranks"][0])
+    assert d["loop_growth"] == 79 * 10 * 2**20 and d["workspace_min"] is None
+    out = {"device": seed._device_line(results), "runs": results, "comparison": cmp_, "ok": False}
+    assert out["device"].startswith("2 x NVIDIA H200,")  # two devices, the name once
+    seed.print_comparison(out)
+    printed = capsys.readouterr().out
+    assert "exit 1" in printed and "some check failed" in printed
+    md = seed.markdown(out, ["benchmarks/tp_seed.py"])
+    assert md.count("| arena |") == 3 and md.count("| default |") == 2
+    # A workspace that grew, or took a second reservation, fails the check.
+    rows = results[1]["run"]["ranks"][0]["chunks"]
+    rows[5]["workspace"] = dict(rows[5]["workspace"], capacity=budget * 2, backend_reserves=2)
+    assert not seed._check_workspace(rows, budget)["ok"]

@@ -163,8 +163,10 @@ class RankContext:
         return {"device": device, "allocator": allocator, "outside": device - allocator}
 
     def to_dict(self) -> dict:
+        watched = (*MULTICAST_OFF, REGISTER_HOOK_VAR, "TORCH_NCCL_AVOID_RECORD_STREAMS")
         out = {"env": asdict(self.env), "allocator": self.allocator, "backend": self.backend,
                "device": str(self.device), "alloc_conf": self.alloc_conf,
+               "settings": {k: os.environ.get(k) for k in watched},
                "marks": [asdict(m) for m in self.marks]}
         if len(self.marks) >= 2 and any(m.label == "first collective" for m in self.marks):
             out["process_group_cost"] = self.cost("before process group", "first collective")
