@@ -102,14 +102,27 @@ def _two_kth_keys(b_key, need_a, need_b):
     return lo_a, lo_b
 
 
+# The row passes index the row from its (aligned) start and begin at ks rounded down to 16
+# entries, so every block starts 64-byte aligned; blocks wholly inside [ks, ke) load without a
+# mask, which is what lets Triton vectorize them (a runtime mask may change within a vector).
+
 @triton.jit
-def _count_row(p_row, length, t, STRICT: tl.constexpr, BLOCK: tl.constexpr):
-    """#(key > t) if STRICT else #(key >= t) over the row."""
-    cnt = length * 0
-    for start in range(0, length, BLOCK):
-        o_x = start + tl.arange(0, BLOCK)
-        m_x = o_x < length
-        b_key = _float_key(tl.load(p_row + o_x, mask=m_x, other=0.0))
+def _row_block(p_base, start, ks, ke, BLOCK: tl.constexpr):
+    o_x = start + tl.arange(0, BLOCK)
+    m_x = (o_x >= ks) & (o_x < ke)
+    if (start >= ks) & (start + BLOCK <= ke):
+        b_x = tl.load(p_base + o_x)
+    else:
+        b_x = tl.load(p_base + o_x, mask=m_x, other=0.0)
+    return o_x, m_x, _float_key(b_x)
+
+
+@triton.jit
+def _count_row(p_base, ks, ke, t, STRICT: tl.constexpr, BLOCK: tl.constexpr):
+    """#(key > t) if STRICT else #(key >= t) over row[ks:ke]."""
+    cnt = ks * 0
+    for start in range(ks // 16 * 16, ke, BLOCK):
+        o_x, m_x, b_key = _row_block(p_base, start, ks, ke, BLOCK)
         if STRICT:
             b_hit = b_key > t
         else:
@@ -119,17 +132,15 @@ def _count_row(p_row, length, t, STRICT: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _split_pass(p_row, length, t_hi, t_lo, p_def, def_cap, p_cand, cand_cap,
+def _split_pass(p_base, ks, ke, t_hi, t_lo, p_def, def_cap, p_cand, cand_cap,
                 BLOCK: tl.constexpr):
     """One pass over the row: indices with key > t_hi go to p_def[0..], indices with
     t_lo <= key <= t_hi to p_cand[0..], both in index order and each cut at its cap. Returns
-    the full counts, so a caller can tell whether a cap was hit."""
-    n_def = length * 0
-    n_cand = length * 0
-    for start in range(0, length, BLOCK):
-        o_x = start + tl.arange(0, BLOCK)
-        m_x = o_x < length
-        b_key = _float_key(tl.load(p_row + o_x, mask=m_x, other=0.0))
+    the full counts, so a caller can tell whether a cap was hit. Indices are relative to ks."""
+    n_def = ks * 0
+    n_cand = ks * 0
+    for start in range(ks // 16 * 16, ke, BLOCK):
+        o_x, m_x, b_key = _row_block(p_base, start, ks, ke, BLOCK)
         b_def = m_x & (b_key > t_hi)
         b_cand = m_x & (b_key >= t_lo) & (b_key <= t_hi)
         # Both output positions from one scan: BLOCK < 2**15, so the halves never carry.
@@ -137,8 +148,8 @@ def _split_pass(p_row, length, t_hi, t_lo, p_def, def_cap, p_cand, cand_cap,
         b_csum = tl.cumsum(b_code, 0)
         o_def = n_def + (b_csum & 0xFFFF) - 1
         o_cand = n_cand + (b_csum >> 16) - 1
-        tl.store(p_def + o_def, o_x, mask=b_def & (o_def < def_cap))
-        tl.store(p_cand + o_cand, o_x, mask=b_cand & (o_cand < cand_cap))
+        tl.store(p_def + o_def, o_x - ks, mask=b_def & (o_def < def_cap))
+        tl.store(p_cand + o_cand, o_x - ks, mask=b_cand & (o_cand < cand_cap))
         b_tot = tl.sum(b_code)
         n_def += b_tot & 0xFFFF
         n_cand += b_tot >> 16
@@ -180,7 +191,8 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
         ke = tl.minimum(tl.load(p_ke + row), N)
         length = tl.maximum(ke - ks, 0)
         row_64 = tl.cast(row, tl.int64)
-        p_row = p_x + row_64 * stride_xm + ks
+        p_base = p_x + row_64 * stride_xm
+        p_row = p_base + ks
         p_dst = p_out + row_64 * stride_om
         path = length * 0
         if length <= K:
@@ -209,7 +221,7 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
                 # A rank outside the sample means no bound on that side.
                 t_hi = tl.where(need_hi >= 1, k_hi, INT32_MAX).to(tl.int32)
                 t_lo = tl.where(need_lo <= RUNS * RUN, k_lo, INT32_MIN).to(tl.int32)
-                n_def, n_cand = _split_pass(p_row, length, t_hi, t_lo, p_dst, K, p_cand, CAND,
+                n_def, n_cand = _split_pass(p_base, ks, ke, t_hi, t_lo, p_dst, K, p_cand, CAND,
                                             BLOCK)
             if (n_def < K) & (n_def + n_cand >= K) & (n_cand <= CAND):
                 _select(p_row, p_cand, tl.where(use_scratch, n_cand, 0), n_cand, K - n_def,
@@ -225,12 +237,12 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
                               tl.where(below, t_lo.to(tl.int64) - 1, t_hi.to(tl.int64)))
                 while lo < hi:
                     mid = lo + (hi - lo + 1) // 2
-                    ok = _count_row(p_row, length, mid.to(tl.int32), False, BLOCK) >= K
+                    ok = _count_row(p_base, ks, ke, mid.to(tl.int32), False, BLOCK) >= K
                     lo = tl.where(ok, mid, lo)
                     hi = tl.where(ok, hi, mid - 1)
                 t = lo.to(tl.int32)
-                n_gt = _count_row(p_row, length, t, True, BLOCK)
-                _split_pass(p_row, length, t, t, p_dst, K, p_dst + n_gt, K - n_gt, BLOCK)
+                n_gt = _count_row(p_base, ks, ke, t, True, BLOCK)
+                _split_pass(p_base, ks, ke, t, t, p_dst, K, p_dst + n_gt, K - n_gt, BLOCK)
                 path = length * 0 + 3
         if WITH_PATH:
             tl.store(p_path + row, path.to(tl.int8))
