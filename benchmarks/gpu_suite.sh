@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call on a bare machine: install the carried wheels, build the C core
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
-# writing logs and JSON under $OUT (default ./gpu-out).
+# writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
+# one file, whatever the number of stages.
 #   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer] [replay] [tp]
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu-out}"
-mkdir -p "$OUT"
+DEST="${OUT:-gpu-out}"
+OUT="$(mktemp -d)/results"
+mkdir -p "$OUT" "$DEST"
+trap 'tar -C "$(dirname "$OUT")" -czf "$DEST/results.tgz" results' EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export INDEXER_ARENA_CACHE=/tmp/indexer-arena-cache
 py=python3
