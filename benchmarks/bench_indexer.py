@@ -77,8 +77,8 @@ from indexer import (LogitsConfig, PrefillStats, TopkConfig, prefill_topk,  # no
                      row_stride_elems)
 from indexer import reference as ref  # noqa: E402
 
-logits_mod = sys.modules["indexer.logits"]
-topk_mod = sys.modules["indexer.topk"]
+from indexer import logits as logits_mod  # noqa: E402
+from indexer import topk as topk_mod  # noqa: E402
 FP8 = torch.float8_e4m3fn
 
 
@@ -166,7 +166,7 @@ class Bench:
         q, kv, scale, w, ks, ke = args
         out = torch.empty((self.M, row_stride_elems(self.N)), dtype=torch.float32,
                           device=self.device)[:, :self.N]
-        t = self.ms(lambda: indexer.logits(q, kv, scale, w, ks, ke, out, clean=clean,
+        t = self.ms(lambda: indexer.mqa_logits(q, kv, scale, w, ks, ke, out, clean=clean,
                                            config=config))
         return 2 * pairs * self.H * self.D / t / 1e9, t
 
@@ -203,7 +203,7 @@ class Bench:
         timings = []
         for cfg in cands:
             try:
-                t = self.ms(lambda: indexer.topk(x, ks, ke, self.K, config=cfg))
+                t = self.ms(lambda: indexer.top_k_per_row(x, ks, ke, self.K, config=cfg))
             except Exception as e:
                 print(f"  sweep topk {cfg}: failed: {e!r:.200}", file=sys.stderr)
                 continue
@@ -267,10 +267,10 @@ class Bench:
             else:
                 ke = torch.full((self.M,), self.N, dtype=torch.int32, device=self.device)
             out = torch.empty((self.M, self.K), dtype=torch.int32, device=self.device)
-            t = self.ms(lambda: indexer.topk(x, ks, ke, self.K, out, config=cfg))
+            t = self.ms(lambda: indexer.top_k_per_row(x, ks, ke, self.K, out, config=cfg))
             t_unsorted = self.ms(lambda: torch.topk(x, self.K, dim=1, sorted=False))
             t_sorted = self.ms(lambda: torch.topk(x, self.K, dim=1, sorted=True))
-            _, path = indexer.topk(x, ks, ke, self.K, out, config=cfg, return_path=True)
+            _, path = indexer.top_k_per_row(x, ks, ke, self.K, out, config=cfg, return_path=True)
             theirs = torch.topk(x, self.K, dim=1, sorted=False).indices
             same = torch.equal(out.long().sort(1).values, theirs.sort(1).values)
             valid = ref.topk_validity(x, out, ks, ke, self.K)

@@ -3,14 +3,14 @@ float32), a Triton top-k, the vLLM-compatible chunk planner and the prefill driv
 every logits buffer from the workspace arena. Torch references live in ``indexer.reference``.
 """
 
-from .logits import (LogitsConfig, kv_offsets, logits, paged_logits, row_stride_elems,
+from .logits import (LogitsConfig, kv_offsets, mqa_logits, paged_mqa_logits, row_stride_elems,
                      supported_dtypes)
 from .planner import split_prefill_chunks, split_rows
 from .prefill import PagedKV, PrefillStats, prefill_topk, token_ranges
-from .topk import TopkConfig, topk
+from .topk import TopkConfig, top_k_per_row
 
 __all__ = [
-    "LogitsConfig", "kv_offsets", "logits", "paged_logits", "row_stride_elems",
+    "LogitsConfig", "kv_offsets", "mqa_logits", "paged_mqa_logits", "row_stride_elems",
     "supported_dtypes", "split_prefill_chunks", "split_rows", "PagedKV", "PrefillStats",
-    "prefill_topk", "token_ranges", "TopkConfig", "topk",
+    "prefill_topk", "token_ranges", "TopkConfig", "top_k_per_row",
 ]

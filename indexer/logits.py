@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LogitsConfig", "logits", "paged_logits", "kv_offsets", "default_config",
+__all__ = ["LogitsConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets", "default_config",
            "candidate_configs", "set_config", "supported_dtypes", "row_stride_elems"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
@@ -288,7 +288,7 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
 # public functions
 # --------------------------------------------------------------------------------------------
 
-def logits(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, w: torch.Tensor,
+def mqa_logits(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, w: torch.Tensor,
            ks: torch.Tensor, ke: torch.Tensor, out: torch.Tensor | None = None, *,
            clean: bool = True, config: LogitsConfig | None = None) -> torch.Tensor:
     """Indexer logits over a dense kv.
@@ -325,7 +325,7 @@ def kv_offsets(context_lens: torch.Tensor, compress_ratio: int) -> torch.Tensor:
     return cu.to(torch.int32)
 
 
-def paged_logits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor,
+def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor,
                  w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor | None = None, compress_ratio: int = 1,
                  out: torch.Tensor | None = None, *, n_cols: int | None = None,
@@ -338,9 +338,9 @@ def paged_logits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale_cache: torch.
     block_table ``[R, max_blocks]`` int32; context_lens ``[R]`` int32, each request's
     uncompressed length, so request r holds ``context_lens[r] // compress_ratio`` kv entries.
     The output columns are those entries, requests concatenated in order, exactly as the dense
-    ``logits`` sees a kv gathered from the cache: request r's entry p is column
+    ``mqa_logits`` sees a kv gathered from the cache: request r's entry p is column
     ``cu_kv[r] + p``, with ``cu_kv = kv_offsets(context_lens, compress_ratio)`` (pass
-    ``cu_kv`` directly to skip that computation). q, w, ks, ke and ``out`` are as in ``logits``;
+    ``cu_kv`` directly to skip that computation). q, w, ks, ke and ``out`` are as in ``mqa_logits``;
     ``n_cols`` (the total kv length) is needed only when ``out`` is not given.
     """
     if kv_cache.dim() != 3 or kv_cache.stride(2) != 1:

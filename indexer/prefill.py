@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .logits import LogitsConfig, logits, paged_logits, row_stride_elems
+from .logits import LogitsConfig, mqa_logits, paged_mqa_logits, row_stride_elems
 from .planner import split_prefill_chunks, split_rows
 from .topk import TopkConfig
 from .topk import default_config as topk_default_config
 from .topk import scratch_elems
-from .topk import topk as topk_rows
+from .topk import top_k_per_row
 
 __all__ = ["PagedKV", "PrefillStats", "prefill_topk", "token_ranges"]
 
@@ -213,17 +213,17 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
             qp, wp, ksp, kep = q[piece], w[piece], ks_dev[piece], ke_dev[piece]
             # clean=False: the top-k reads only [ks, ke), so tiles outside it stay unwritten.
             if paged is None:
-                logits(qp, kv[c0:c0 + width], kv_scale[c0:c0 + width], wp, ksp, kep, view,
+                mqa_logits(qp, kv[c0:c0 + width], kv_scale[c0:c0 + width], wp, ksp, kep, view,
                        clean=False, config=logits_config)
             else:
                 at = cu_at[requests.start]
-                paged_logits(qp, paged.cache, paged.scale, wp, ksp, kep,
+                paged_mqa_logits(qp, paged.cache, paged.scale, wp, ksp, kep,
                              paged.block_table[requests], out=view,
                              cu_kv=meta_dev[at:at + requests.stop - requests.start + 1],
                              clean=False, config=logits_config)
             if timed:
                 t1 = mark()
-            topk_rows(view, ksp, kep, k, out[piece], scratch=scratch, config=tcfg)
+            top_k_per_row(view, ksp, kep, k, out[piece], scratch=scratch, config=tcfg)
             if timed:
                 stats._marks.append((t0, t1, mark()))
             # Give the block back before the next piece asks for one: at most one logits

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TopkConfig", "topk", "default_config", "scratch_elems"]
+__all__ = ["TopkConfig", "top_k_per_row", "default_config", "scratch_elems"]
 
 INT32_MIN = tl.constexpr(-(2**31))
 INT32_MAX = tl.constexpr(2**31 - 1)
@@ -303,7 +303,7 @@ def scratch_elems(m: int, device: torch.device, cfg: TopkConfig) -> int:
     return _grid_size(m, device, cfg) * cfg.cand
 
 
-def topk(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int,
+def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int,
          out: torch.Tensor | None = None, *, scratch: torch.Tensor | None = None,
          config: TopkConfig | None = None, return_path: bool = False):
     """Top-k indices per row of ``logits[i, ks[i]:ke[i]]``, relative to ``ks[i]``.

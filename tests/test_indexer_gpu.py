@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from indexer import (PagedKV, PrefillStats, logits, paged_logits, prefill_topk,
-                     row_stride_elems, token_ranges, topk)
+from indexer import (PagedKV, PrefillStats, mqa_logits, paged_mqa_logits, prefill_topk,
+                     row_stride_elems, token_ranges, top_k_per_row)
 from indexer import reference as ref
 from indexer.topk import PATH_FALLBACK, PATH_SAMPLED
 
@@ -94,7 +94,7 @@ def test_logits_and_topk_against_reference(dtype, h):
 
     buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
     out = buf[:, :n]
-    logits(q, kv, kv_scale, w, ks, ke, out)
+    mqa_logits(q, kv, kv_scale, w, ks, ke, out)
     torch.cuda.synchronize()
     exact = ref.logits(q, kv, kv_scale, w, ks, ke)
     truth = ref.logits(q32, kv32, kv_scale0, w, ks, ke)
@@ -103,7 +103,7 @@ def test_logits_and_topk_against_reference(dtype, h):
     assert torch.equal(torch.isinf(out), torch.isinf(exact)), "-inf exactly outside [ks, ke)"
     err_exact, err_truth = rel_err(out, exact), rel_err(out, truth)
 
-    idx, path = topk(out, ks, ke, K, return_path=True)
+    idx, path = top_k_per_row(out, ks, ke, K, return_path=True)
     valid = ref.topk_validity(out.double(), idx, ks, ke, K)
     agree_exact = ref.topk_agreement(exact, idx, ks, ke, K)
     agree_truth = ref.topk_agreement(truth, idx, ks, ke, K)
@@ -130,7 +130,7 @@ def test_topk_long_rows_ties_and_paths():
     ks, ke = ragged_rows(m, n, g)
     x[5] = 1.0                                                  # all ties
     x[6] = torch.randint(0, 4, (n,), generator=g, device="cuda").float()
-    out, path = topk(x, ks, ke, K, return_path=True)
+    out, path = top_k_per_row(x, ks, ke, K, return_path=True)
     valid = ref.topk_validity(x.double(), out, ks, ke, K)
     counts = torch.bincount(path.long(), minlength=4).tolist()
     report(test="topk", M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
@@ -173,8 +173,8 @@ def test_paged_equals_dense(dtype):
     w = torch.randn(m, h, generator=g, device="cuda")
     ks, ke = ragged_rows(m, n, g)
     cache, scale, table = make_paged(kv, kv_scale, kv_lens, page, g)
-    dense = logits(q, kv, kv_scale, w, ks, ke)
-    paged = paged_logits(q, cache, scale, w, ks, ke, table,
+    dense = mqa_logits(q, kv, kv_scale, w, ks, ke)
+    paged = paged_mqa_logits(q, cache, scale, w, ks, ke, table,
                          torch.tensor(context, dtype=torch.int32, device="cuda"), ratio,
                          n_cols=n)
     assert torch.equal(dense, paged)
@@ -225,8 +225,8 @@ def test_prefill_driver_matches_whole_request_computation():
     agreements = []
     for ql, sl in zip(QUERY_LENS, SEQ_LENS):
         rows, cols = slice(t0, t0 + ql), slice(c0, c0 + sl // RATIO)
-        whole = logits(q[rows], kv[cols], kv_scale[cols], w[rows], ks[rows], ke[rows])
-        want = topk(whole, ks[rows], ke[rows], K)
+        whole = mqa_logits(q[rows], kv[cols], kv_scale[cols], w[rows], ks[rows], ke[rows])
+        want = top_k_per_row(whole, ks[rows], ke[rows], K)
         # the same set per row; the order inside a row depends on which path a row took
         assert torch.equal(got[rows].sort(1).values, want.sort(1).values)
         exact = ref.logits(q[rows], kv[cols], kv_scale[cols], w[rows], ks[rows], ke[rows])

@@ -38,8 +38,9 @@ else:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from indexer import (LogitsConfig, PagedKV, PrefillStats, TopkConfig, kv_offsets, logits,
-                         paged_logits, prefill_topk, row_stride_elems, token_ranges, topk)
+    from indexer import (LogitsConfig, PagedKV, PrefillStats, TopkConfig, kv_offsets,
+                         mqa_logits, paged_mqa_logits, prefill_topk, row_stride_elems,
+                         token_ranges, top_k_per_row)
     from indexer import reference as ref
     from indexer.topk import PATH_DIRECT, PATH_FALLBACK, PATH_SAMPLED, PATH_SHORT
 
@@ -80,7 +81,7 @@ else:
     def test_logits_match_reference(m, n, h, d, config):
         args = make_inputs(m, n, h, d, seed=m * 1000 + n + h)
         buf, out = poisoned(m, n)
-        logits(*args, out, config=config)
+        mqa_logits(*args, out, config=config)
         want = ref.logits(*args)
         assert not out.isnan().any(), "every entry of [M, N] must be written"
         assert buf[:, n:].isnan().all(), "nothing beyond column N may be written"
@@ -95,7 +96,7 @@ else:
         ks = torch.zeros(m, dtype=torch.int32)
         ke = (torch.arange(m, dtype=torch.int32) + (n - 2 * m) + 1).to(torch.int32)
         buf, out = poisoned(m, n)
-        logits(q, kv, kv_scale, w, ks, ke, out, clean=False)
+        mqa_logits(q, kv, kv_scale, w, ks, ke, out, clean=False)
         want = ref.logits(q, kv, kv_scale, w, ks, ke)
         finite = torch.isfinite(want)
         assert torch.isfinite(out[finite]).all()
@@ -105,23 +106,23 @@ else:
         assert outside.isnan().any(), "a tile outside every row's range must be skipped"
         # and clean=True fills exactly those with -inf
         buf2, out2 = poisoned(m, n)
-        logits(q, kv, kv_scale, w, ks, ke, out2)
+        mqa_logits(q, kv, kv_scale, w, ks, ke, out2)
         assert torch.equal(torch.isinf(out2), ~finite)
 
     def test_logits_defaults_allocate_an_aligned_output():
         args = make_inputs(7, 13, 8, 32, seed=12)
-        out = logits(*args)
+        out = mqa_logits(*args)
         assert out.shape == (7, 13) and out.stride(0) % 4 == 0
         assert rel_err(out, ref.logits(*args)) < FP32_TOL
 
     def test_logits_reject_misaligned_or_mismatched_arguments():
         q, kv, kv_scale, w, ks, ke = make_inputs(6, 10, 8, 32, seed=13)
         with pytest.raises(ValueError, match="16 bytes"):
-            logits(q, kv, kv_scale, w, ks, ke, torch.empty(6, 13)[:, :10])
+            mqa_logits(q, kv, kv_scale, w, ks, ke, torch.empty(6, 13)[:, :10])
         with pytest.raises(ValueError, match="share a dtype"):
-            logits(q, kv.double(), kv_scale, w, ks, ke)
+            mqa_logits(q, kv.double(), kv_scale, w, ks, ke)
         with pytest.raises(ValueError, match="int32"):
-            logits(q, kv, kv_scale, w, ks.long(), ke)
+            mqa_logits(q, kv, kv_scale, w, ks.long(), ke)
 
     def make_paged(kv, kv_scale, kv_lens, page, seed, packed=False):
         """Scatter each request's kv rows into randomly chosen pages; returns the cache, its
@@ -160,15 +161,15 @@ else:
         q, kv, kv_scale, w, ks, ke = make_inputs(m, n, 8, 32, seed=page * 10 + ratio)
         cache, scale, table = make_paged(kv, kv_scale, kv_lens, page, seed=5, packed=packed)
         dense_buf, dense = poisoned(m, n)
-        logits(q, kv, kv_scale, w, ks, ke, dense)
+        mqa_logits(q, kv, kv_scale, w, ks, ke, dense)
         paged_buf, paged = poisoned(m, n)
-        paged_logits(q, cache, scale, w, ks, ke, table,
+        paged_mqa_logits(q, cache, scale, w, ks, ke, table,
                      torch.tensor(context, dtype=torch.int32), ratio, paged)
         assert torch.equal(dense_buf.nan_to_num(1.0), paged_buf.nan_to_num(1.0))
         assert rel_err(paged, ref.logits(q, kv, kv_scale, w, ks, ke)) < FP32_TOL
         # the cu_kv shortcut and an allocated output give the same
         cu = kv_offsets(torch.tensor(context, dtype=torch.int32), ratio)
-        again = paged_logits(q, cache, scale, w, ks, ke, table, cu_kv=cu, n_cols=n)
+        again = paged_mqa_logits(q, cache, scale, w, ks, ke, table, cu_kv=cu, n_cols=n)
         assert torch.equal(again, dense)
 
     # --- top-k -------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ else:
 
     def check_topk(x, ks, ke, k, **kw):
         out = torch.full((x.shape[0], k), -7, dtype=torch.int32)   # poison
-        _, path = topk(x, ks, ke, k, out, return_path=True, **kw)
+        _, path = top_k_per_row(x, ks, ke, k, out, return_path=True, **kw)
         valid = ref.topk_validity(x.double(), out, ks, ke, k)
         assert valid.all(), f"rows {torch.nonzero(~valid).flatten().tolist()} wrong"
         return out, path
@@ -252,11 +253,11 @@ else:
         ks = torch.zeros(3, dtype=torch.int32)
         ke = torch.full((3,), 50, dtype=torch.int32)
         with pytest.raises(ValueError):
-            topk(x.double(), ks, ke, 4)
+            top_k_per_row(x.double(), ks, ke, 4)
         with pytest.raises(ValueError):
-            topk(x, ks, ke, 4, config=TopkConfig(cand=4))
+            top_k_per_row(x, ks, ke, 4, config=TopkConfig(cand=4))
         with pytest.raises(ValueError):
-            topk(x, ks, ke, 4, scratch=torch.empty(1, dtype=torch.int32))
+            top_k_per_row(x, ks, ke, 4, scratch=torch.empty(1, dtype=torch.int32))
 
     # --- the prefill driver ------------------------------------------------------------------
 
