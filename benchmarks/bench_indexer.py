@@ -167,7 +167,7 @@ class Bench:
         out = torch.empty((self.M, row_stride_elems(self.N)), dtype=torch.float32,
                           device=self.device)[:, :self.N]
         t = self.ms(lambda: indexer.mqa_logits(q, kv, scale, w, ks, ke, out, clean=clean,
-                                           config=config))
+                                               config=config))
         return 2 * pairs * self.H * self.D / t / 1e9, t
 
     def sweep(self):

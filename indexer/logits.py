@@ -289,8 +289,8 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
 # --------------------------------------------------------------------------------------------
 
 def mqa_logits(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, w: torch.Tensor,
-           ks: torch.Tensor, ke: torch.Tensor, out: torch.Tensor | None = None, *,
-           clean: bool = True, config: LogitsConfig | None = None) -> torch.Tensor:
+               ks: torch.Tensor, ke: torch.Tensor, out: torch.Tensor | None = None, *,
+               clean: bool = True, config: LogitsConfig | None = None) -> torch.Tensor:
     """Indexer logits over a dense kv.
 
     Shapes: q ``[M, H, D]`` and kv ``[N, D]`` in one of bf16, fp8 e4m3 or float32 (last dim
@@ -326,11 +326,11 @@ def kv_offsets(context_lens: torch.Tensor, compress_ratio: int) -> torch.Tensor:
 
 
 def paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor,
-                 w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor | None = None, compress_ratio: int = 1,
-                 out: torch.Tensor | None = None, *, n_cols: int | None = None,
-                 cu_kv: torch.Tensor | None = None, clean: bool = True,
-                 config: LogitsConfig | None = None) -> torch.Tensor:
+                     w: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, block_table: torch.Tensor,
+                     context_lens: torch.Tensor | None = None, compress_ratio: int = 1,
+                     out: torch.Tensor | None = None, *, n_cols: int | None = None,
+                     cu_kv: torch.Tensor | None = None, clean: bool = True,
+                     config: LogitsConfig | None = None) -> torch.Tensor:
     """Indexer logits reading kv from a paged cache.
 
     Shapes: kv_cache ``[num_blocks, PAGE, D]`` (rows contiguous; other strides free, so a view

@@ -114,7 +114,8 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
                  topk_config: TopkConfig | None = None) -> torch.Tensor:
     """Top-k kv indices of every new token of a prefill batch, with bounded logits memory.
 
-    Shapes: q ``[T, H, D]`` and w ``[T, H]`` (float32) with ``T = sum(query_lens)``;
+    Shapes: q ``[T, H, D]`` (bf16, fp8 e4m3 or float32) and w ``[T, H]`` float32, with
+    ``T = sum(query_lens)``;
     ``query_lens`` and ``seq_lens`` are host-side int sequences of length R (``seq_lens[r]``
     uncompressed, ``>= query_lens[r]``). The kv is either dense — ``kv`` ``[sum_r
     seq_lens[r] // compress_ratio, D]`` with ``kv_scale`` float32 of the same length, requests
@@ -214,13 +215,13 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
             # clean=False: the top-k reads only [ks, ke), so tiles outside it stay unwritten.
             if paged is None:
                 mqa_logits(qp, kv[c0:c0 + width], kv_scale[c0:c0 + width], wp, ksp, kep, view,
-                       clean=False, config=logits_config)
+                           clean=False, config=logits_config)
             else:
                 at = cu_at[requests.start]
                 paged_mqa_logits(qp, paged.cache, paged.scale, wp, ksp, kep,
-                             paged.block_table[requests], out=view,
-                             cu_kv=meta_dev[at:at + requests.stop - requests.start + 1],
-                             clean=False, config=logits_config)
+                                 paged.block_table[requests], out=view,
+                                 cu_kv=meta_dev[at:at + requests.stop - requests.start + 1],
+                                 clean=False, config=logits_config)
             if timed:
                 t1 = mark()
             top_k_per_row(view, ksp, kep, k, out[piece], scratch=scratch, config=tcfg)

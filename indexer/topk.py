@@ -304,8 +304,8 @@ def scratch_elems(m: int, device: torch.device, cfg: TopkConfig) -> int:
 
 
 def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int,
-         out: torch.Tensor | None = None, *, scratch: torch.Tensor | None = None,
-         config: TopkConfig | None = None, return_path: bool = False):
+                  out: torch.Tensor | None = None, *, scratch: torch.Tensor | None = None,
+                  config: TopkConfig | None = None, return_path: bool = False):
     """Top-k indices per row of ``logits[i, ks[i]:ke[i]]``, relative to ``ks[i]``.
 
     Shapes: logits float32 ``[M, N]`` (unit column stride, any row stride); ks, ke int32

@@ -175,8 +175,8 @@ def test_paged_equals_dense(dtype):
     cache, scale, table = make_paged(kv, kv_scale, kv_lens, page, g)
     dense = mqa_logits(q, kv, kv_scale, w, ks, ke)
     paged = paged_mqa_logits(q, cache, scale, w, ks, ke, table,
-                         torch.tensor(context, dtype=torch.int32, device="cuda"), ratio,
-                         n_cols=n)
+                             torch.tensor(context, dtype=torch.int32, device="cuda"), ratio,
+                             n_cols=n)
     assert torch.equal(dense, paged)
 
 

@@ -124,6 +124,12 @@ else:
         with pytest.raises(ValueError, match="int32"):
             mqa_logits(q, kv, kv_scale, w, ks.long(), ke)
 
+    def test_logits_empty_shapes_launch_nothing():
+        q, kv, kv_scale, w, ks, ke = make_inputs(4, 8, 8, 32, seed=14)
+        assert mqa_logits(q[:0], kv, kv_scale, w[:0], ks[:0], ke[:0]).shape == (0, 8)
+        zero = torch.zeros(4, dtype=torch.int32)
+        assert mqa_logits(q, kv[:0], kv_scale[:0], w, zero, zero).shape == (4, 0)
+
     def make_paged(kv, kv_scale, kv_lens, page, seed, packed=False):
         """Scatter each request's kv rows into randomly chosen pages; returns the cache, its
         scale and the block table. With packed, the cache is a strided view into pages that
@@ -164,7 +170,7 @@ else:
         mqa_logits(q, kv, kv_scale, w, ks, ke, dense)
         paged_buf, paged = poisoned(m, n)
         paged_mqa_logits(q, cache, scale, w, ks, ke, table,
-                     torch.tensor(context, dtype=torch.int32), ratio, paged)
+                         torch.tensor(context, dtype=torch.int32), ratio, paged)
         assert torch.equal(dense_buf.nan_to_num(1.0), paged_buf.nan_to_num(1.0))
         assert rel_err(paged, ref.logits(q, kv, kv_scale, w, ks, ke)) < FP32_TOL
         # the cu_kv shortcut and an allocated output give the same
@@ -247,6 +253,18 @@ else:
         x = torch.randn(m, n, generator=torch.Generator().manual_seed(27))
         ks, ke = ragged_rows(m, n, seed=28)
         check_topk(x, ks, ke, k)
+
+    def test_topk_clamps_ranges_to_the_row():
+        m, n = 6, 150
+        x = torch.randn(m, n, generator=torch.Generator().manual_seed(29))
+        ks = torch.tensor([-5, 0, 140, 200, 10, -3], dtype=torch.int32)
+        ke = torch.tensor([40, 400, 9000, 300, 5, 2], dtype=torch.int32)
+        got = top_k_per_row(x, ks, ke, K)
+        cks, cke = ks.clamp(0, n), ke.clamp(0, n)
+        assert torch.equal(got.sort(1).values,
+                           top_k_per_row(x, cks.to(torch.int32), cke.to(torch.int32), K)
+                           .sort(1).values)
+        assert ref.topk_validity(x.double(), got, cks, cke, K).all()
 
     def test_topk_rejects_bad_arguments():
         x = torch.randn(3, 50)
