@@ -11,6 +11,7 @@ DEST="${OUT:-gpu-out}"
 OUT="$(mktemp -d)/results"
 mkdir -p "$OUT" "$DEST"
 trap 'tar -C "$(dirname "$OUT")" -czf "$DEST/results.tgz" results' EXIT
+trap 'echo "=== stopped by SIGTERM"; exit 143' TERM  # a time limit still leaves the archive
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export INDEXER_ARENA_CACHE=/tmp/indexer-arena-cache
 py=python3
