@@ -8,8 +8,8 @@ from .arena import STREAM_NONE, Arena, Block, HostGuard, Region, workspace_arena
 from .config import ENV_VAR, VLLM_BUDGET_VAR, Config, from_env
 from .errors import (ArenaError, ArenaOutOfMemory, BackendError, ConfigError, DoubleFree,
                      ForeignPointer, InstallError, InvalidFree, InvariantError)
-from .plugin import (device_arena, device_is_unified, in_workspace, install, is_installed,
-                     max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved,
+from .plugin import (device_arena, device_is_unified, in_workspace, install, installed_config,
+                     is_installed, max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved,
                      memory_stats, reserve, reset_peak_memory_stats, workspace)
 
 __all__ = [
@@ -17,7 +17,8 @@ __all__ = [
     "ENV_VAR", "VLLM_BUDGET_VAR", "Config", "from_env",
     "ArenaError", "ArenaOutOfMemory", "BackendError", "ConfigError", "DoubleFree",
     "ForeignPointer", "InstallError", "InvalidFree", "InvariantError",
-    "device_arena", "device_is_unified", "in_workspace", "install", "is_installed",
+    "device_arena", "device_is_unified", "in_workspace", "install", "installed_config",
+    "is_installed",
     "max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
     "memory_stats", "reserve", "reset_peak_memory_stats", "workspace",
 ]

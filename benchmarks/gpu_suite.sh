@@ -50,7 +50,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
       step seed_workload $py benchmarks/seed_workload.py --json "$OUT/seed_workload.json"
       step torch_alloc $py benchmarks/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
       step llama $py benchmarks/bench_llama.py --json "$OUT/llama.json"
-      step arena_micro $py benchmarks/bench_arena.py --json "$OUT/arena_micro.json" ;;
+      step arena_micro $py benchmarks/bench_arena.py --pairs 1000000 --repeats 5 --json "$OUT/arena_micro.json" ;;
     indexer) step indexer_bench $py benchmarks/bench_indexer.py --json "$OUT/indexer.json" ;;
     tp) step tp_seed $py benchmarks/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     replay)
