@@ -1,6 +1,7 @@
 /* The entry points PyTorch's CUDAPluggableAllocator calls, and the routing behind them.
  *
- * Each device gets three arenas on first use:
+ * Each device gets two general arenas on first use, and its workspace arena on first workspace use
+ * (or ia_plugin_reserve), so a process that never asks for a workspace pays nothing for it:
  *   workspace  fixed, one reservation of the budget; serves allocations made while this thread is
  *              inside a workspace scope (ia_workspace_enter/exit), and never asks for more memory;
  *   small      growable, requests up to 1 MiB, 2 MiB regions;
@@ -28,7 +29,8 @@
 #define MiB ((size_t)1 << 20)
 
 typedef struct {
-  _Atomic int ready; /* 0: not yet, 1: arenas exist, -1: creation failed */
+  _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
+  _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
   ia_arena_t *arenas[IA_POOL_COUNT];
   ia_totals_t totals;
   bool unified;
@@ -135,10 +137,11 @@ static ia_status_t create_device(int device) {
       st = ia_cuda_memory_attributes(device, &attributes);
       unified = st == IA_OK && ia_memory_is_unified(&attributes);
     }
-    for (int p = 0; st == IA_OK && p < IA_POOL_COUNT; p++) st = make_arena(device, unified, p, &slot->arenas[p]);
+    for (int p = IA_POOL_SMALL; st == IA_OK && p < IA_POOL_COUNT; p++)
+      st = make_arena(device, unified, p, &slot->arenas[p]);
     if (st != IA_OK) {
       if (plugin.configured) describe_backend_failure(st);
-      for (int p = 0; p < IA_POOL_COUNT; p++) {
+      for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++) {
         ia_arena_destroy(slot->arenas[p]);
         slot->arenas[p] = NULL;
       }
@@ -161,10 +164,31 @@ static device_slot_t *device_slot(int device, ia_status_t *st) {
   return *st == IA_OK ? slot : NULL;
 }
 
+static ia_status_t ensure_workspace(device_slot_t *slot, int device) {
+  if (atomic_load_explicit(&slot->workspace_ready, memory_order_acquire)) return IA_OK;
+  ia_status_t st = IA_OK;
+  pthread_mutex_lock(&plugin.lock);
+  if (!atomic_load(&slot->workspace_ready)) {
+    st = make_arena(device, slot->unified, IA_POOL_WORKSPACE, &slot->arenas[IA_POOL_WORKSPACE]);
+    if (st == IA_OK) {
+      atomic_store_explicit(&slot->workspace_ready, 1, memory_order_release);
+    } else {
+      char budget[32], why[sizeof failure];
+      describe_backend_failure(st);
+      snprintf(why, sizeof why, "%s", failure);
+      snprintf(failure, sizeof failure,
+               "reserving its %s workspace arena failed (%s); lower budget_mb in INDEXER_ARENA_CONF",
+               _ia_format_bytes(plugin.config.budget, budget, sizeof budget), why);
+    }
+  }
+  pthread_mutex_unlock(&plugin.lock);
+  return st;
+}
+
 ia_status_t ia_plugin_reserve(int device) {
   ia_status_t st;
-  device_slot(device, &st);
-  return st;
+  device_slot_t *slot = device_slot(device, &st);
+  return slot ? ensure_workspace(slot, device) : st;
 }
 
 const char *ia_plugin_failure(void) { return failure; }
@@ -172,16 +196,17 @@ const char *ia_plugin_failure(void) { return failure; }
 ia_arena_t *ia_plugin_arena(int device, int pool) {
   if (device < 0 || device >= MAX_DEVICES || pool < 0 || pool >= IA_POOL_COUNT) return NULL;
   device_slot_t *slot = &plugin.devices[device];
-  return atomic_load_explicit(&slot->ready, memory_order_acquire) == 1 ? slot->arenas[pool] : NULL;
+  _Atomic int *ready = pool == IA_POOL_WORKSPACE ? &slot->workspace_ready : &slot->ready;
+  return atomic_load_explicit(ready, memory_order_acquire) == 1 ? slot->arenas[pool] : NULL;
 }
 
 bool ia_plugin_device_unified(int device) {
-  return ia_plugin_arena(device, IA_POOL_WORKSPACE) && plugin.devices[device].unified;
+  return ia_plugin_arena(device, IA_POOL_SMALL) && plugin.devices[device].unified;
 }
 
 ia_device_totals_t ia_plugin_device_totals(int device) {
   ia_device_totals_t out = {0};
-  if (!ia_plugin_arena(device, IA_POOL_WORKSPACE)) return out;
+  if (!ia_plugin_arena(device, IA_POOL_SMALL)) return out;
   ia_totals_t *t = &plugin.devices[device].totals;
   out.in_use = atomic_load(&t->in_use);
   out.in_use_peak = atomic_load(&t->in_use_peak);
@@ -191,8 +216,9 @@ ia_device_totals_t ia_plugin_device_totals(int device) {
 }
 
 void ia_plugin_reset_peaks(int device) {
-  if (!ia_plugin_arena(device, IA_POOL_WORKSPACE)) return;
-  for (int p = 0; p < IA_POOL_COUNT; p++) ia_arena_reset_peaks(plugin.devices[device].arenas[p]);
+  if (!ia_plugin_arena(device, IA_POOL_SMALL)) return;
+  for (int p = 0; p < IA_POOL_COUNT; p++)
+    if (ia_plugin_arena(device, p)) ia_arena_reset_peaks(plugin.devices[device].arenas[p]);
   _ia_totals_reset_peaks(&plugin.devices[device].totals);
 }
 
@@ -218,7 +244,7 @@ ia_status_t ia_plugin_trace_start(size_t capacity) {
     for (int d = 0; d < MAX_DEVICES; d++)
       if (atomic_load(&plugin.devices[d].ready) == 1)
         for (int p = 0; p < IA_POOL_COUNT; p++)
-          ia_arena_set_trace(plugin.devices[d].arenas[p], plugin.trace, d, (uint8_t)p);
+          if (plugin.devices[d].arenas[p]) ia_arena_set_trace(plugin.devices[d].arenas[p], plugin.trace, d, (uint8_t)p);
   }
   pthread_mutex_unlock(&plugin.lock);
   return st;
@@ -287,7 +313,9 @@ __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t si
              "torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
              "device more room.%s",
              device, req, size, pool_names[pool], state,
-             _ia_format_bytes(plugin.config.budget, budget, sizeof budget), why, hint);
+             ia_plugin_arena(device, IA_POOL_WORKSPACE) ? _ia_format_bytes(plugin.config.budget, budget, sizeof budget)
+                                                        : "nothing (not reserved yet)",
+             why, hint);
   }
   raise_oom(message);
 }
@@ -296,7 +324,8 @@ IA_EXPORT void *ia_torch_alloc(ssize_t size, int device, void *stream) {
   if (size <= 0) return NULL;
   ia_status_t st;
   device_slot_t *slot = device_slot(device, &st);
-  if (!slot) fail_alloc(device, -1, (size_t)size, st);
+  if (slot && workspace_depth) st = ensure_workspace(slot, device);
+  if (st != IA_OK) fail_alloc(device, -1, (size_t)size, st);
   int pool = workspace_depth ? IA_POOL_WORKSPACE : (size_t)size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
   void *p;
   st = ia_arena_alloc(slot->arenas[pool], (size_t)size, (ia_stream_t)stream, &p);
@@ -312,7 +341,9 @@ IA_EXPORT void *ia_torch_alloc(ssize_t size, int device, void *stream) {
 }
 
 static ia_arena_t *owner(device_slot_t *slot, void *ptr, size_t size) {
-  if (ia_arena_owns(slot->arenas[IA_POOL_WORKSPACE], ptr)) return slot->arenas[IA_POOL_WORKSPACE];
+  if (atomic_load_explicit(&slot->workspace_ready, memory_order_acquire) &&
+      ia_arena_owns(slot->arenas[IA_POOL_WORKSPACE], ptr))
+    return slot->arenas[IA_POOL_WORKSPACE];
   return slot->arenas[size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE];
 }
 
@@ -332,7 +363,8 @@ void ia_torch_record_stream(void *ptr, void *stream) {
     device_slot_t *slot = &plugin.devices[d];
     if (atomic_load(&slot->ready) != 1) continue;
     for (int p = 0; p < IA_POOL_COUNT; p++)
-      if (ia_arena_record_stream(slot->arenas[p], ptr, (ia_stream_t)stream) == IA_OK) return;
+      if (ia_plugin_arena(d, p) && ia_arena_record_stream(slot->arenas[p], ptr, (ia_stream_t)stream) == IA_OK)
+        return;
   }
 }
 
@@ -368,10 +400,13 @@ bool ia_plugin_write_report(const char *path) {
     fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"pools\": [", first_device ? "" : ", ", d,
             slot->unified ? "true" : "false");
     first_device = false;
+    const char *pool_sep = "";
     for (int p = 0; p < IA_POOL_COUNT; p++) {
+      if (!ia_plugin_arena(d, p)) continue;
       ia_stats_t s;
       ia_arena_stats(slot->arenas[p], &s);
-      fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", p ? ", " : "", pool_names[p]);
+      fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", pool_sep, pool_names[p]);
+      pool_sep = ", ";
       const char *sep = "";
 #define IA_STAT_JSON(type, name, doc)                                                               \
   fprintf(f, _Generic(s.name, double: "%s\"%s\": %.6f", default: "%s\"%s\": %" PRIu64), sep, #name, s.name); \

@@ -343,3 +343,16 @@ print(json.dumps({"err": err, "reserved": alloc.memory_reserved()}))
 """)
     assert "set_per_process_memory_fraction" in out["err"] and "1024 MiB" in out["err"]
     assert out["reserved"] == (64 << 20) + 3 * (300 << 20)
+
+
+def test_a_process_that_never_asks_for_a_workspace_reserves_no_budget():
+    out = run("""
+alloc.install(alloc.Config(budget_mb=512))
+x = torch.ones(1000, device="cuda")
+before = (alloc.device_arena(0, "workspace") is None, alloc.memory_reserved())
+with alloc.workspace():
+    y = torch.ones(1000, device="cuda")
+print(json.dumps({"before": before, "after": alloc.memory_reserved()}))
+""")
+    assert out["before"] == [True, 2 << 20]  # one small region, no workspace arena yet
+    assert out["after"] == (2 << 20) + (512 << 20)
