@@ -104,7 +104,7 @@ static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
   } else if (ia_host_memory_read(g->meminfo_path, g->cgroup_root, &mem) != IA_OK) {
     /* Unknown host memory on a unified device: refusing is the only answer that cannot hang. */
     char why[256];
-    snprintf(why, sizeof why, "%s", last_message);
+    snprintf(why, sizeof why, "%.200s", last_message);
     snprintf(last_message, sizeof last_message,
              "unified memory: %s, so the host memory left is unknown and the reservation of %s was "
              "refused; point meminfo in INDEXER_ARENA_CONF at a readable file",

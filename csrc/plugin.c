@@ -173,9 +173,9 @@ static ia_status_t ensure_workspace(device_slot_t *slot, int device) {
     if (st == IA_OK) {
       atomic_store_explicit(&slot->workspace_ready, 1, memory_order_release);
     } else {
-      char budget[32], why[sizeof failure];
+      char budget[32], why[768];
       describe_backend_failure(st);
-      snprintf(why, sizeof why, "%s", failure);
+      snprintf(why, sizeof why, "%.700s", failure);
       snprintf(failure, sizeof failure,
                "reserving its %s workspace arena failed (%s); lower budget_mb in INDEXER_ARENA_CONF",
                _ia_format_bytes(plugin.config.budget, budget, sizeof budget), why);
