@@ -90,8 +90,7 @@ struct ia_arena {
   ia_arena_options_t opts;
   ia_backend_t *backend;
 
-  region_t *regions;
-  size_t n_regions;
+  region_t *regions; /* oldest first: a region's index in reports stays put as others come */
   uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
 
   uint64_t fl_bitmap;
@@ -355,9 +354,9 @@ static ia_status_t region_add(ia_arena_t *a, size_t size) {
   r->base = _ia_align_up((uintptr_t)r->raw, align);
   r->size = size;
   r->first = b;
-  r->next = a->regions;
-  a->regions = r;
-  a->n_regions++;
+  region_t **link = &a->regions; /* append: growth is rare and costs a backend call anyway */
+  while (*link) link = &(*link)->next;
+  *link = r;
   b->addr = r->base;
   b->size = size;
   b->region = r;
@@ -376,7 +375,6 @@ static void region_drop(ia_arena_t *a, region_t *r) {
   region_t **link = &a->regions;
   while (*link != r) link = &(*link)->next;
   *link = r->next;
-  a->n_regions--;
   trace(a, IA_TRACE_RELEASE, r->base, r->size, IA_STREAM_NONE);
   a->backend->release(a->backend, r->raw, r->raw_size);
   a->stats.backend_releases++;
@@ -726,37 +724,25 @@ void ia_arena_reset_peaks(ia_arena_t *a) {
   pthread_mutex_unlock(&a->lock);
 }
 
-/* Regions are reported oldest first, which keeps their indices stable as new ones are added. */
-static size_t regions_oldest_first(const ia_arena_t *a, region_t **out, size_t cap) {
-  size_t n = 0;
-  for (region_t *r = a->regions; r; r = r->next) n++;
-  size_t i = n;
-  for (region_t *r = a->regions; r; r = r->next)
-    if (--i < cap) out[i] = r;
-  return n;
-}
-
 size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
   pthread_mutex_lock(&a->lock);
-  region_t **order = calloc(a->n_regions + 1, sizeof *order);
-  size_t n = order ? regions_oldest_first(a, order, a->n_regions) : 0;
-  for (size_t i = 0; i < n && i < cap; i++) out[i] = (ia_region_info_t){order[i]->base, order[i]->size};
-  free(order);
+  size_t n = 0;
+  for (region_t *r = a->regions; r; r = r->next, n++)
+    if (n < cap) out[n] = (ia_region_info_t){r->base, r->size};
   pthread_mutex_unlock(&a->lock);
   return n;
 }
 
 size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
   pthread_mutex_lock(&a->lock);
-  region_t **order = calloc(a->n_regions + 1, sizeof *order);
-  size_t n_regions = order ? regions_oldest_first(a, order, a->n_regions) : 0;
   size_t n = 0;
-  for (size_t ri = 0; ri < n_regions; ri++)
-    for (block_t *b = order[ri]->first; b; b = b->phys_next, n++)
+  uint32_t index = 0;
+  for (region_t *r = a->regions; r; r = r->next, index++)
+    for (block_t *b = r->first; b; b = b->phys_next, n++)
       if (n < cap)
         out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
-                                   .region_base = order[ri]->base, .region = (uint32_t)ri, .is_free = b->is_free, .stream = b->stream};
-  free(order);
+                                   .region_base = r->base, .region = index, .is_free = b->is_free,
+                                   .stream = b->stream};
   pthread_mutex_unlock(&a->lock);
   return n;
 }
@@ -768,10 +754,8 @@ void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t po
   a->trace_device = device;
   a->trace_pool = pool;
   /* A trace starts with the regions already held, so a consumer knows the arena's layout. */
-  region_t **order = attaching ? calloc(a->n_regions + 1, sizeof *order) : NULL;
-  size_t n = order ? regions_oldest_first(a, order, a->n_regions) : 0;
-  for (size_t i = 0; i < n; i++) trace(a, IA_TRACE_RESERVE, order[i]->base, order[i]->size, IA_STREAM_NONE);
-  free(order);
+  for (region_t *r = attaching ? a->regions : NULL; r; r = r->next)
+    trace(a, IA_TRACE_RESERVE, r->base, r->size, IA_STREAM_NONE);
   pthread_mutex_unlock(&a->lock);
 }
 
