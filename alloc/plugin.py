@@ -62,8 +62,10 @@ def install(config: config_mod.Config | None = None, *, devices: Iterable[int] =
 
     Must run before anything initialises CUDA (any ``.cuda()``, ``torch.cuda.set_device``, a
     ``MemPool``...). ``config`` defaults to the environment (INDEXER_ARENA_CONF and
-    VLLM_SPARSE_INDEXER_MAX_LOGITS_MB). Each device's arenas are reserved at its first allocation,
-    or right away for the indices in ``devices``. A second call with the same configuration does
+    VLLM_SPARSE_INDEXER_MAX_LOGITS_MB). A device's general pools start at its first allocation and
+    its workspace arena at its first workspace allocation; ``devices`` reserves the workspace
+    arenas of those device indices right away (what unified-memory machines want: the budget is
+    taken and committed before the model loads). A second call with the same configuration does
     nothing; with another one it raises, since the first one's arenas already exist.
     """
     global _installed
@@ -74,7 +76,8 @@ def install(config: config_mod.Config | None = None, *, devices: Iterable[int] =
                 raise InstallError(
                     f"the allocator is already installed with {_installed.config}; it cannot be "
                     f"installed again with {config} in the same process")
-            _reserve(devices)
+            for device in devices:
+                reserve(device)
             return _installed.config
         import torch
         if not torch.cuda.is_available():
@@ -109,17 +112,13 @@ def install(config: config_mod.Config | None = None, *, devices: Iterable[int] =
         hooks.set_memory_fraction_fn(_address("ia_torch_memory_fraction"))
         torch.cuda.memory.change_current_allocator(allocator)
         _installed = _Installed(config, allocator, (strings, c))
-    _reserve(devices)
+    for device in devices:
+        reserve(device)
     return config
 
 
 def _address(function: str) -> int:
     return int(ffi.cast("uintptr_t", ffi.addressof(lib, function)))
-
-
-def _reserve(devices: Iterable[int]) -> None:
-    for device in devices:
-        reserve(device)
 
 
 def reserve(device: int) -> None:

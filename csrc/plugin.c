@@ -39,8 +39,7 @@ typedef struct {
 static struct {
   pthread_mutex_t lock; /* guards configuration and device creation */
   bool configured;
-  ia_plugin_config_t config;
-  char *cudart_path, *meminfo_path, *cgroup_root, *report_path;
+  ia_plugin_config_t config; /* its strings are this file's own copies */
   ia_trace_t *trace;
   device_slot_t devices[MAX_DEVICES];
   _Atomic uint64_t ooms, retries;
@@ -52,7 +51,9 @@ static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "lar
 
 const char *ia_pool_name(int pool) { return pool >= 0 && pool < IA_POOL_COUNT ? pool_names[pool] : "?"; }
 
-static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
+static const char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
+
+#define CONFIG_STRINGS(X) X(cudart_path) X(meminfo_path) X(cgroup_root) X(oom_report_path)
 
 ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
   if (!config || !config->budget || !_ia_is_pow2(config->alignment) || config->alignment < 16)
@@ -62,19 +63,13 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
   for (int d = 0; d < MAX_DEVICES; d++)
     if (atomic_load(&plugin.devices[d].ready) == 1) st = IA_ERR_INVALID_ARGUMENT;
   if (st == IA_OK) {
-    free(plugin.cudart_path);
-    free(plugin.meminfo_path);
-    free(plugin.cgroup_root);
-    free(plugin.report_path);
+#define REPLACE(field) free((char *)plugin.config.field);
+    CONFIG_STRINGS(REPLACE)
+#undef REPLACE
     plugin.config = *config;
-    plugin.cudart_path = dup_or_null(config->cudart_path);
-    plugin.meminfo_path = dup_or_null(config->meminfo_path);
-    plugin.cgroup_root = dup_or_null(config->cgroup_root);
-    plugin.report_path = dup_or_null(config->oom_report_path);
-    plugin.config.cudart_path = plugin.cudart_path;
-    plugin.config.meminfo_path = plugin.meminfo_path;
-    plugin.config.cgroup_root = plugin.cgroup_root;
-    plugin.config.oom_report_path = plugin.report_path;
+#define COPY(field) plugin.config.field = dup_or_null(config->field);
+    CONFIG_STRINGS(COPY)
+#undef COPY
     plugin.configured = true;
   }
   pthread_mutex_unlock(&plugin.lock);
@@ -82,9 +77,9 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
 }
 
 static ia_status_t make_backend(int device, bool unified, ia_backend_t **out) {
-  ia_status_t st = ia_cuda_backend_create(device, plugin.cudart_path, out);
+  ia_status_t st = ia_cuda_backend_create(device, plugin.config.cudart_path, out);
   if (st != IA_OK || !unified) return st;
-  ia_guard_options_t g = {.meminfo_path = plugin.meminfo_path, .cgroup_root = plugin.cgroup_root,
+  ia_guard_options_t g = {.meminfo_path = plugin.config.meminfo_path, .cgroup_root = plugin.config.cgroup_root,
                           .headroom = plugin.config.host_headroom};
   return ia_guard_backend_create(*out, &g, out);
 }
@@ -130,7 +125,7 @@ static ia_status_t create_device(int device) {
       snprintf(failure, sizeof failure, "the allocator was loaded but never configured: call alloc.install()");
       st = IA_ERR_INVALID_ARGUMENT;
     }
-    if (st == IA_OK) st = ia_cuda_load(plugin.cudart_path);
+    if (st == IA_OK) st = ia_cuda_load(plugin.config.cudart_path);
     bool unified = plugin.config.unified == 1;
     if (st == IA_OK && plugin.config.unified < 0) {
       ia_memory_attributes_t attributes;
@@ -272,13 +267,13 @@ static size_t describe_arena(ia_arena_t *a, char *buf, size_t len) {
 }
 
 static void report_hint(char *buf, size_t len) {
-  if (!plugin.report_path) {
+  if (!plugin.config.oom_report_path) {
     buf[0] = '\0';
     return;
   }
-  bool written = ia_plugin_write_report(plugin.report_path);
+  bool written = ia_plugin_write_report(plugin.config.oom_report_path);
   snprintf(buf, len, written ? " Memory report written to %s." : " (Could not write the memory report to %s.)",
-           plugin.report_path);
+           plugin.config.oom_report_path);
 }
 
 __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t size, ia_status_t st) {
