@@ -16,8 +16,6 @@ STREAM_NONE = (1 << 64) - 1
 """Stream value of memory no stream has touched yet."""
 
 STAT_NAMES = tuple(name for name, _ in ffi.typeof("ia_stats_t").fields)
-STAT_DOCS = {ffi.string(lib.ia_stat_name(i)).decode(): ffi.string(lib.ia_stat_doc(i)).decode()
-             for i in range(lib.ia_stat_count())}
 
 
 def status_text(status: int) -> str:

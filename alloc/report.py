@@ -34,11 +34,11 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .arena import STAT_NAMES, Arena
 from .errors import ArenaError
+from .plugin import POOLS
 from .trace import Event
 from .units import fmt_bytes
 
 REPORT_FORMAT = "indexer-arena-report-1"
-POOLS = ("workspace", "small", "large")
 MAX_DEVICES = 64  # the C core's per-device table (csrc/plugin.c)
 
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from ._core import ffi, lib
 from .errors import ArenaError
+from .plugin import POOLS
 
 ACTIONS = {lib.IA_TRACE_ALLOC: "alloc", lib.IA_TRACE_FREE: "free", lib.IA_TRACE_FAIL: "fail",
            lib.IA_TRACE_RESERVE: "reserve", lib.IA_TRACE_RELEASE: "release"}
-POOLS = ("workspace", "small", "large")
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ typedef uintptr_t ia_stream_t;
 typedef struct ia_backend ia_backend_t;
 
 void ia_backend_destroy(ia_backend_t *backend);
-const char *ia_backend_name(const ia_backend_t *backend);
 
 /* Host memory, for tests and for simulating a device on the CPU. limit_bytes caps the sum of live
  * reservations (0: no cap beyond what mmap grants). Streams are arbitrary integers; an event
@@ -63,7 +62,6 @@ uint64_t ia_host_waits(const ia_backend_t *backend, ia_stream_t waiter, ia_strea
  * runtime call of this thread was. */
 ia_status_t ia_cuda_load(const char *cudart_path);
 ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backend_t **out);
-ia_status_t ia_cuda_device_count(int *count);
 ia_status_t ia_cuda_device_attribute(int device, int attribute, int *value);
 ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
 const char *ia_cuda_last_error(void);
@@ -140,11 +138,6 @@ typedef struct ia_stats {
 } ia_stats_t;
 #undef IA_STAT_DECLARE
 
-size_t ia_stat_count(void);
-const char *ia_stat_name(size_t index);
-const char *ia_stat_doc(size_t index);
-/* Writes "name = value" lines into buf (truncated to len); returns the length it needed. */
-size_t ia_stats_format(const ia_stats_t *stats, char *buf, size_t len);
 
 /* ------------------------------------------------------------------------------------------------
  * The arena.
@@ -266,7 +259,6 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config);
 ia_status_t ia_plugin_reserve(int device);
 const char *ia_plugin_failure(void);
 ia_arena_t *ia_plugin_arena(int device, int pool); /* NULL until the device has its arenas */
-const char *ia_pool_name(int pool);
 bool ia_plugin_device_unified(int device);
 /* Device-wide sums over its pools; the peaks are true peaks of the sums. */
 typedef struct ia_device_totals {

@@ -23,7 +23,6 @@ enum {
   X(cudaFree, int, (void *))                                                                      \
   X(cudaGetDevice, int, (int *))                                                                  \
   X(cudaSetDevice, int, (int))                                                                    \
-  X(cudaGetDeviceCount, int, (int *))                                                             \
   X(cudaEventCreateWithFlags, int, (void **, unsigned))                                          \
   X(cudaEventDestroy, int, (void *))                                                              \
   X(cudaEventRecord, int, (void *, void *))                                                       \
@@ -222,10 +221,4 @@ ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes
   if (err == CUDA_SUCCESS) err = rt.cudaMemGetInfo(free_bytes, total_bytes);
   guard_exit(&g);
   return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaMemGetInfo");
-}
-
-ia_status_t ia_cuda_device_count(int *count) {
-  if (!rt.handle) return IA_ERR_BACKEND;
-  int err = rt.cudaGetDeviceCount(count);
-  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaGetDeviceCount");
 }

@@ -197,5 +197,3 @@ uint64_t ia_host_waits(const ia_backend_t *b, ia_stream_t waiter, ia_stream_t wa
 void ia_backend_destroy(ia_backend_t *b) {
   if (b) b->destroy(b);
 }
-
-const char *ia_backend_name(const ia_backend_t *b) { return b->name; }

@@ -49,8 +49,6 @@ static __thread int workspace_depth;
 
 static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "large"};
 
-const char *ia_pool_name(int pool) { return pool >= 0 && pool < IA_POOL_COUNT ? pool_names[pool] : "?"; }
-
 static const char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
 #define CONFIG_STRINGS(X) X(cudart_path) X(meminfo_path) X(cgroup_root) X(oom_report_path)
