@@ -34,7 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LogitsConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets", "default_config",
+from . import logits_hopper as hopper
+from .logits_hopper import HopperConfig
+
+__all__ = ["LogitsConfig", "HopperConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets", "default_config",
            "candidate_configs", "set_config", "supported_dtypes", "row_stride_elems"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
@@ -185,15 +188,28 @@ def _key(dtype: torch.dtype, h: int, d: int, paged: bool) -> tuple:
     return (dtype, h, d, paged)
 
 
+def _on_hopper() -> bool:
+    return (hopper.AVAILABLE and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
 def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
-                   device: str = "cuda") -> LogitsConfig:
+                   device: str = "cuda") -> LogitsConfig | HopperConfig:
     """The config a call uses when none is given: one chosen by ``set_config`` (the benchmark's
-    sweep can set it) or the built-in default."""
+    sweep can set it), else the warp-specialized kernel on sm_90 where it applies (it falls
+    back to the portable kernel's default for inputs it cannot take), else the portable
+    kernel's built-in default."""
     if device == "cpu":
         return _INTERPRETER_CONFIG
     chosen = _CHOSEN.get(_key(dtype, h, d, paged))
     if chosen is not None:
         return chosen
+    if _on_hopper() and hopper.supports(dtype, d):
+        return HopperConfig()
+    return _portable_default(dtype, d)
+
+
+def _portable_default(dtype: torch.dtype, d: int) -> LogitsConfig:
     if dtype == torch.float32:
         return LogitsConfig(32, 64, 4, 2)
     if d <= 64:
@@ -203,8 +219,8 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
     return _GPU_DEFAULT
 
 
-def set_config(dtype: torch.dtype, h: int, d: int, paged: bool, config: LogitsConfig | None
-               ) -> None:
+def set_config(dtype: torch.dtype, h: int, d: int, paged: bool,
+               config: LogitsConfig | HopperConfig | None) -> None:
     """Make ``config`` the default for this (dtype, H, D, paged); None restores the built-in."""
     if config is None:
         _CHOSEN.pop(_key(dtype, h, d, paged), None)
@@ -212,12 +228,14 @@ def set_config(dtype: torch.dtype, h: int, d: int, paged: bool, config: LogitsCo
         _CHOSEN[_key(dtype, h, d, paged)] = config
 
 
-def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig]:
-    """Configs worth timing on a Hopper GPU: those whose kv tile plus ``num_stages`` q tiles
-    fit in shared memory."""
+def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig | HopperConfig]:
+    """Configs worth timing on a Hopper GPU: the warp-specialized kernel's q pipeline depths
+    (on sm_90) and the portable kernel's tiles, those that fit in shared memory."""
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
-    return [c for c in _CANDIDATES
-            if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]
+    ws = ([c for c in (HopperConfig(3), HopperConfig(4), HopperConfig(4, 3), HopperConfig(6, 3))
+           if hopper.supports(dtype, d, c.stages, c.consumers)] if _on_hopper() else [])
+    return ws + [c for c in _CANDIDATES
+                 if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]
 
 
 def _check_out(out: torch.Tensor, m: int, n: int) -> None:
@@ -263,6 +281,19 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
     if m == 0 or n == 0:
         return out
     cfg = config or default_config(q.dtype, h, d, paged, q.device.type)
+    if isinstance(cfg, HopperConfig):
+        elem = q.element_size()
+        kv_rows_ok = (kv.data_ptr() % 16 == 0
+                      and all((st * elem) % 16 == 0 for st in strides_kv))
+        if hopper.usable(q, d, kv_rows_ok, cfg):
+            return hopper.launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs,
+                                 paged, page, strides_kv, strides_sc, stride_bt, clean, cfg)
+        if config is not None:
+            raise ValueError(
+                f"{cfg} needs an sm_90 GPU, bf16/fp16/fp8 inputs with D a power of two in "
+                "32..128 (256 for fp8), q viewable as [M, H * D] (unit stride over H and D) "
+                "and 16-byte aligned q rows and kv rows; use a LogitsConfig for these inputs")
+        cfg = _portable_default(q.dtype, d)
     spans = [cfg.block_m * max(q.stride(0), 1), cfg.block_m * max(w.stride(0), 1),
              cfg.block_m * max(out.stride(0), 1)]
     if not paged:

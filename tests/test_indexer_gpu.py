@@ -22,6 +22,7 @@ import torch
 
 from indexer import (PagedKV, PrefillStats, mqa_logits, paged_mqa_logits, prefill_topk,
                      row_stride_elems, token_ranges, top_k_per_row)
+from indexer import logits as logits_mod
 from indexer import reference as ref
 from indexer.topk import PATH_FALLBACK, PATH_SAMPLED
 
@@ -178,6 +179,66 @@ def test_paged_equals_dense(dtype):
                              torch.tensor(context, dtype=torch.int32, device="cuda"), ratio,
                              n_cols=n)
     assert torch.equal(dense, paged)
+
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized kernel is for sm_90")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("h,d", [(64, 128), (32, 64), (16, 32), (8, 128)])
+def test_hopper_kernel_matches_portable_and_reference(dtype, h, d):
+    """The warp-specialized sm_90 kernel against the portable kernel and the exact-input
+    reference, at odd M and N (partial tiles), on ragged rows, clean and not, dense and paged."""
+    m, n, ratio, page = 1000, 3001, 2, 16
+    g = gen(100 + h + d)
+    q, kv, row_scale = quantize(torch.randn(m, h, d, generator=g, device="cuda"),
+                                torch.randn(n, d, generator=g, device="cuda"), dtype)
+    kv_scale = (row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)).float()
+    w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
+    ks, ke = ragged_rows(m, n, g)
+    ws = logits_mod.HopperConfig(stages=3)
+    portable = logits_mod.LogitsConfig(64, 128, 4, 3)
+    buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
+    out = buf[:, :n]
+    mqa_logits(q, kv, kv_scale, w, ks, ke, out, config=ws)
+    want = mqa_logits(q, kv, kv_scale, w, ks, ke, config=portable)
+    exact = ref.logits(q, kv, kv_scale, w, ks, ke)
+    assert buf[:, n:].isnan().all(), "written beyond column N"
+    assert torch.equal(torch.isinf(out), torch.isinf(exact)), "-inf exactly outside [ks, ke)"
+    err_portable, err_exact = rel_err(out, want.double()), rel_err(out, exact)
+    report(test="hopper kernel", dtype=str(dtype), H=h, D=d, rel_err_portable=err_portable,
+           rel_err_exact=err_exact)
+    assert err_portable < 1e-5 and err_exact < EXACT_TOL[dtype]
+
+    # clean=False writes every tile that holds an in-range column, and only those
+    poison = torch.full_like(buf, 7.0)
+    mqa_logits(q, kv, kv_scale, w, ks, ke, poison[:, :n], clean=False, config=ws)
+    inside = torch.isfinite(exact)
+    assert torch.equal(poison[:, :n][inside], out[inside])
+
+    # paged through a shuffled block table: bit-identical to dense
+    context = torch.tensor([n * ratio // 3, 0, n * ratio - n * ratio // 3], dtype=torch.int32,
+                           device="cuda")
+    kv_lens = (context // ratio).tolist()
+    kv_lens[-1] = n - sum(kv_lens[:-1])
+    context[-1] = kv_lens[-1] * ratio
+    cache, scale, table = make_paged(kv, kv_scale, kv_lens, page, g)
+    paged = paged_mqa_logits(q, cache, scale, w, ks, ke, table, context, ratio, n_cols=n,
+                             config=ws)
+    assert torch.equal(paged, out)
+
+
+def test_hopper_config_rejects_inputs_it_cannot_take():
+    q = torch.randn(64, 8, 128, device="cuda").bfloat16()[:, ::2]     # q's H stride is 2 * D
+    kv = torch.randn(256, 128, device="cuda").bfloat16()
+    ks = torch.zeros(64, dtype=torch.int32, device="cuda")
+    ke = torch.full((64,), 256, dtype=torch.int32, device="cuda")
+    args = (q, kv, torch.ones(256, device="cuda"), torch.ones(64, 4, device="cuda"), ks, ke)
+    with pytest.raises(ValueError, match="LogitsConfig"):
+        mqa_logits(*args, config=logits_mod.HopperConfig())
+    # without a config, the portable kernel takes them
+    assert torch.isfinite(mqa_logits(*args)).all()
 
 
 # --- the driver --------------------------------------------------------------------------------

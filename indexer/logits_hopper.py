@@ -1,0 +1,428 @@
+"""The indexer logits on Hopper (sm_90): a persistent, warp-specialized Gluon kernel.
+
+Same contract as ``logits.mqa_logits`` / ``paged_mqa_logits``, which dispatch here for bf16,
+fp16 and fp8 on sm_90; this module holds the kernel and its launch.
+
+Why a second kernel: per head, the logits need ``relu(q_h . kv) * w_h`` summed over heads, and
+the relu sits between the product and the head sum. In the portable Triton kernel each
+product's result is waited for before its relu, so the tensor cores idle during every relu;
+at 64 heads the relus and weights cost about a quarter of the products' time. Two ways to
+hide them were tried on sm_90:
+
+* one warpgroup issuing head h's product asynchronously and running head h - 1's relu
+  meanwhile: ptxas serializes every wgmma of a loop that carries one in flight across its
+  back edge, and draining at the loop's end costs what it saves;
+* two consumer warpgroups that each run their products synchronously and are never made to
+  wait for each other: while one runs its relus the other's product keeps the tensor cores
+  busy (the ping-pong of FlashAttention-3 and CUTLASS). This is the kernel.
+
+Partitions of one CTA (one per SM, looping over ``64 x 256`` output tiles):
+
+* a producer warp: copies each tile's 256 kv rows and scales into one of two buffers with
+  ``cp.async`` (dense rows, or rows found through the block table), and streams q tiles
+  (``64 x D``, one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``;
+* two consumer warpgroups, each owning 128 of the tile's 256 columns: per head, wait for the
+  q tile, one ``64 x 128 x D`` wgmma, release the q tile, relu, weight, accumulate. Both read
+  the same q tile from shared memory, so each q byte fetched from L2 feeds 256 columns.
+
+Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
+``clean``). All partitions walk the same tile sequence (each decides activity itself).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - a Triton without Gluon
+    AVAILABLE = False
+
+__all__ = ["AVAILABLE", "HopperConfig", "supports", "usable", "launch"]
+
+BLOCK_M = 64
+PART_N = 128             # columns per consumer warpgroup
+
+if AVAILABLE:
+    # Triton renamed these copies (3.6 has the old names, later versions only the new ones).
+    _TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _CP_ASYNC = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+class HopperConfig:
+    """``stages``: q tiles (one head each) in flight between the producer and consumers;
+    ``consumers``: consumer warpgroups (2 or 3), each owning 128 of the tile's columns."""
+
+    __slots__ = ("stages", "consumers")
+
+    def __init__(self, stages: int = 4, consumers: int = 2):
+        if stages < 2:
+            raise ValueError(f"HopperConfig.stages must be >= 2, got {stages}")
+        if consumers not in (2, 3):
+            raise ValueError(f"HopperConfig.consumers must be 2 or 3, got {consumers}")
+        self.stages = stages
+        self.consumers = consumers
+
+    @property
+    def block_n(self) -> int:
+        return PART_N * self.consumers
+
+    def registers(self) -> tuple[int, int, int]:
+        """(maxnreg, consumer worker, producer): 65,536 registers over the warpgroups (the
+        producer's warp takes a whole one); the default consumer gets what the workers leave
+        of maxnreg times the warpgroups."""
+        groups = self.consumers + 1
+        maxnreg = 65536 // (128 * groups) // 8 * 8
+        producer = 56 if self.consumers == 2 else 32
+        consumer = (maxnreg * groups - producer) // self.consumers // 8 * 8
+        return maxnreg, consumer, producer
+
+    def __repr__(self) -> str:
+        return f"wgmma 64x{self.block_n} s{self.stages}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HopperConfig) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def _key(self) -> tuple:
+        return (self.stages, self.consumers)
+
+
+_FP8 = getattr(torch, "float8_e4m3fn", None)
+_GL_DTYPE = {}
+if AVAILABLE:
+    _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+    if _FP8 is not None:
+        _GL_DTYPE[_FP8] = gl.float8e4nv
+
+
+if AVAILABLE:
+
+    @gluon.jit
+    def _next_tile(t, num_tiles, p_ks, p_ke, p_out, M, N, stride_om, col0,
+                   BM: gl.constexpr, BN: gl.constexpr, WIDTH: gl.constexpr, CLEAN: gl.constexpr,
+                   FILL: gl.constexpr):
+        """The first tile among t, t + num_programs, ... with a column inside some row's
+        [ks, ke) (num_tiles if none). With CLEAN, the skipped tiles' columns
+        [col0, col0 + WIDTH) get -inf."""
+        ROWS: gl.constexpr = gl.SliceLayout(1, FILL)
+        COLS: gl.constexpr = gl.SliceLayout(0, FILL)
+        step = gl.num_programs(0)
+        num_n = gl.cdiv(N, BN)
+        keep = t < num_tiles
+        while keep:
+            o_m = (t // num_n) * BM + gl.arange(0, BM, layout=ROWS)
+            n_0 = (t % num_n) * BN
+            m_m = o_m < M
+            b_ks = gl.load(p_ks + o_m, mask=m_m, other=0)
+            b_ke = gl.load(p_ke + o_m, mask=m_m, other=0)
+            m_row = m_m & (b_ke > b_ks)
+            n_lo = gl.min(gl.where(m_row, b_ks, 2147483647), axis=0)
+            n_hi = gl.max(gl.where(m_row, b_ke, 0), axis=0)
+            skip = (n_0 >= n_hi) | (n_0 + BN <= n_lo)
+            if CLEAN:
+                if skip:
+                    o_n = n_0 + col0 + gl.arange(0, WIDTH, layout=COLS)
+                    p = p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
+                    gl.store(p, gl.full([BM, WIDTH], float("-inf"), gl.float32, FILL),
+                             mask=m_m[:, None] & (o_n < N)[None, :])
+            t = gl.where(skip, t + step, t)
+            keep = skip & (t < num_tiles)
+        return gl.minimum(t, num_tiles)
+
+    @gluon.jit
+    def _gather_kv(n_0, kv_buf, off_smem, p_kv, p_block_table, p_cu_kv, N, num_reqs, n_steps,
+                   stride_kv_0, stride_kv_1, stride_bt, PAGE: gl.constexpr,
+                   CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, ROWS_P: gl.constexpr):
+        """cp.async of the 128 paged kv rows from column n_0; returns the rows' scale offsets.
+        Each row's request is found by a binary search over cu_kv, all rows at once; the row
+        offsets go through shared memory to copies in chunks (one warp copies 32 KiB at
+        bf16 x 128, chunked to bound registers)."""
+        PN: gl.constexpr = kv_buf.type.shape[0]
+        VEC: gl.constexpr = 16 // (kv_buf.dtype.primitive_bitwidth // 8)
+        o_r = n_0 + gl.arange(0, PN, layout=ROWS_P)
+        m_r = o_r < N
+        # Largest r with cu_kv[r] <= j: with empty requests (repeated starts) that is the one
+        # request whose range holds j.
+        b_lo = gl.zeros_like(o_r)
+        b_hi = gl.zeros_like(o_r) + (num_reqs - 1)
+        for _ in range(n_steps):
+            b_mid = (b_lo + b_hi + 1) // 2
+            b_go = gl.load(p_cu_kv + b_mid) <= o_r
+            b_lo = gl.where(b_go, b_mid, b_lo)
+            b_hi = gl.where(b_go, b_hi, b_mid - 1)
+        b_pos = gl.where(m_r, o_r - gl.load(p_cu_kv + b_lo, mask=m_r, other=0), 0)
+        b_page = gl.load(p_block_table + b_lo.to(gl.int64) * stride_bt + b_pos // PAGE,
+                         mask=m_r, other=0).to(gl.int64)
+        b_slot = (b_pos % PAGE).to(gl.int64)
+        # -1 marks rows past N (zero-filled, masked at the store).
+        off_smem.store(gl.where(m_r, b_page * stride_kv_0 + b_slot * stride_kv_1, -1))
+        o_d = gl.arange(0, kv_buf.type.shape[1], layout=gl.SliceLayout(0, KV_LOAD))
+        for c in gl.static_range(PN // CHUNK):
+            b_off = off_smem.slice(c * CHUNK, CHUNK).load(gl.SliceLayout(1, KV_LOAD))
+            # Rows start 16-byte aligned (the launcher checks base and strides), which lets
+            # every cp.async move 16 bytes.
+            b_off_ok = gl.multiple_of(gl.maximum(b_off, 0), VEC)
+            _CP_ASYNC(kv_buf.slice(c * CHUNK, CHUNK), p_kv + b_off_ok[:, None] + o_d[None, :],
+                      mask=(b_off >= 0)[:, None])
+        return b_page, b_slot, m_r
+
+    @gluon.jit
+    def _producer(q_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
+                  kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks, p_ke, M,
+                  N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
+                  stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
+                  STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr):
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        PN: gl.constexpr = kv_smem.type.shape[1]
+        BN: gl.constexpr = NC * PN
+        NCP: gl.constexpr = kv_smem.type.shape[0] // 2
+        NW: gl.constexpr = gl.num_warps()
+        FILL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NW, 1], [1, 0])
+        ROWS_P: gl.constexpr = gl.BlockedLayout([PN // (32 * NW)], [32], [NW], [0])
+        num_n = gl.cdiv(N, BN)
+        num_tiles = gl.cdiv(M, BM) * num_n
+        t = _next_tile(gl.program_id(0), num_tiles, p_ks, p_ke, p_ks, M, N, 0, 0, BM, BN, 1,
+                       False, FILL)
+        s = 0
+        j = 0
+        while t < num_tiles:
+            b = j % 2
+            mbarrier.wait(kv_empty.index(b), ((j // 2) & 1) ^ 1)
+            n_0 = (t % num_n) * BN
+            for c in gl.static_range(NC):
+                if PAGED:
+                    b_page, b_slot, m_r = _gather_kv(
+                        n_0 + c * PN, kv_smem.index(b * NCP + c), off_smem, p_kv,
+                        p_block_table, p_cu_kv, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
+                        stride_bt, PAGE, CHUNK, KV_LOAD, ROWS_P)
+                    off_sc = b_page * stride_sc_0 + b_slot * stride_sc_1
+                else:
+                    o_r = n_0 + c * PN + gl.arange(0, PN, layout=ROWS_P)
+                    m_r = o_r < N
+                    off_sc = o_r.to(gl.int64) * stride_sc_0
+                _CP_ASYNC(sc_smem.index(b * NCP + c), p_kv_scale + off_sc, mask=m_r)
+            # The phase completes once this warp's copies have landed (the async arrive
+            # first: it raises the pending count before the arrive below could complete it).
+            async_copy.mbarrier_arrive(kv_full.index(b))
+            if PAGED:
+                mbarrier.arrive(kv_full.index(b), count=1)
+            else:
+                mbarrier.expect(kv_full.index(b), NC * kv_desc.block_type.nbytes)
+                for c in gl.static_range(NC):
+                    _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
+                              kv_smem.index(b * NCP + c))
+            m_0 = (t // num_n) * BM
+            for h in range(H):
+                st = s % STAGES
+                mbarrier.wait(q_empty.index(st), ((s // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_full.index(st), q_desc.block_type.nbytes)
+                _TMA_LOAD(q_desc, [m_0, h * D], q_full.index(st), q_smem.index(st))
+                s += 1
+            t = _next_tile(t + gl.num_programs(0), num_tiles, p_ks, p_ke, p_ks, M, N, 0, 0, BM,
+                           BN, 1, False, FILL)
+            j += 1
+
+    @gluon.jit
+    def _consumer(q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w, p_ks,
+                  p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H: gl.constexpr,
+                  NC: gl.constexpr, PART: gl.constexpr, CLEAN: gl.constexpr):
+        NW: gl.constexpr = gl.num_warps()
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        BM: gl.constexpr = q_smem.type.shape[1]
+        PN: gl.constexpr = kv_smem.type.shape[1]
+        NCP: gl.constexpr = kv_smem.type.shape[0] // 2
+        BN: gl.constexpr = NC * PN
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[NW, 1],
+            instr_shape=[16, PN, 256 // q_smem.dtype.primitive_bitwidth])
+        ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
+        COLS: gl.constexpr = gl.SliceLayout(0, MMA)
+        FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        num_n = gl.cdiv(N, BN)
+        num_tiles = gl.cdiv(M, BM) * num_n
+        # The product's accumulator input is ignored (use_acc=False); passing the previous,
+        # dead product lets the new one take its registers instead of holding a zero tile.
+        b_s = gl.zeros([BM, PN], gl.float32, MMA)
+        t = _next_tile(gl.program_id(0), num_tiles, p_ks, p_ke, p_out, M, N, stride_om,
+                       PART * PN, BM, BN, PN, CLEAN, FILL)
+        s = 0
+        j = 0
+        while t < num_tiles:
+            b = j % 2
+            mbarrier.wait(kv_full.index(b), (j // 2) & 1)
+            # Paged kv rows came through cp.async (generic proxy); wgmma reads through the
+            # async proxy.
+            fence_async_shared()
+            kv_t = kv_smem.index(b * NCP + PART).permute((1, 0))
+            o_m = (t // num_n) * BM + gl.arange(0, BM, layout=ROWS)
+            m_m = o_m < M
+            p_w_rows = p_w + o_m.to(gl.int64) * stride_wm
+            b_w = gl.load(p_w_rows, mask=m_m, other=0.0)
+            acc = gl.zeros([BM, PN], gl.float32, MMA)
+            for h in range(H):
+                st = s % STAGES
+                mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
+                b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=False)
+                mbarrier.arrive(q_empty.index(st), count=1)
+                b_w_next = gl.load(p_w_rows + (h + 1) * stride_wh, mask=m_m & (h + 1 < H),
+                                   other=0.0)
+                acc += gl.maximum(b_s, 0.0) * b_w[:, None]
+                b_w = b_w_next
+                s += 1
+            o_n = (t % num_n) * BN + PART * PN + gl.arange(0, PN, layout=COLS)
+            b_scale = sc_smem.index(b * NCP + PART).load(COLS)
+            mbarrier.arrive(kv_empty.index(b), count=1)
+            b_ks = gl.load(p_ks + o_m, mask=m_m, other=0)
+            b_ke = gl.load(p_ke + o_m, mask=m_m, other=0)
+            m_in = (o_n[None, :] >= b_ks[:, None]) & (o_n[None, :] < b_ke[:, None])
+            b_out = gl.where(m_in, acc * b_scale[None, :], float("-inf"))
+            gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :], b_out,
+                     mask=m_m[:, None] & (o_n < N)[None, :])
+            t = _next_tile(t + gl.num_programs(0), num_tiles, p_ks, p_ke, p_out, M, N,
+                           stride_om, PART * PN, BM, BN, PN, CLEAN, FILL)
+            j += 1
+
+    @gluon.jit
+    def _logits_ws_kernel(q_desc, kv_desc, p_kv, p_kv_scale, p_w, p_ks, p_ke, p_out,
+                          p_block_table, p_cu_kv, M, N, num_reqs, n_steps,
+                          stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
+                          stride_wm, stride_wh, stride_om, stride_bt,
+                          H: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                          NC: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                          CLEAN: gl.constexpr, KV_SMEM: gl.constexpr, KV_LOAD: gl.constexpr,
+                          CHUNK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          PRODUCER_REGS: gl.constexpr):
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        PN: gl.constexpr = 128
+        NCP: gl.constexpr = 2 if NC <= 2 else 4          # buffers per tile, a power of two
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BM, D], q_desc.layout)
+        kv_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NCP, PN, D], KV_SMEM)
+        sc_smem = gl.allocate_shared_memory(gl.float32, [2 * NCP, PN], plain)
+        off_smem = gl.allocate_shared_memory(gl.int64, [PN if PAGED else 1], plain)
+        q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_full.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=NC)     # one arrive per consumer
+        for i in gl.static_range(2):
+            mbarrier.init(kv_full.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=NC)
+        # (a jit function cannot be put in a variable here, so the producer is spelled twice)
+        if NC == 2:
+            gl.warp_specialize([
+                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
+                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
+                             gl.constexpr(0), CLEAN)),
+                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
+                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
+                             gl.constexpr(1), CLEAN)),
+                (_producer, (q_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
+                             kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks,
+                             p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
+                             stride_sc_0, stride_sc_1, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
+                             CHUNK, KV_LOAD)),
+            ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
+                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
+                             gl.constexpr(0), CLEAN)),
+                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
+                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
+                             gl.constexpr(1), CLEAN)),
+                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
+                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
+                             gl.constexpr(2), CLEAN)),
+                (_producer, (q_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
+                             kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks,
+                             p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
+                             stride_sc_0, stride_sc_1, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
+                             CHUNK, KV_LOAD)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+
+
+_SMEM_LIMIT = 227 * 1024
+
+
+def supports(dtype: torch.dtype, d: int, stages: int = 4, consumers: int = 2) -> bool:
+    """Whether the kernel exists for this dtype and head size: 16-bit or fp8, D a power of two
+    from 32, with the q ring and both tiles' kv buffers in shared memory."""
+    if not AVAILABLE or dtype not in _GL_DTYPE or d < 32 or d & (d - 1):
+        return False
+    elem = 1 if dtype == _FP8 else 2
+    buffers = 2 * (2 if consumers <= 2 else 4)
+    return (stages * BLOCK_M + buffers * PART_N) * d * elem + 8 * 1024 <= _SMEM_LIMIT
+
+
+def usable(q: torch.Tensor, d: int, kv_rows_ok: bool, cfg: HopperConfig) -> bool:
+    """Whether the kernel can take these inputs: ``supports``, on an sm_90 device, q viewable
+    as [M, H * D] with a 16-byte aligned base and row stride (for TMA), and kv rows 16-byte
+    aligned (``kv_rows_ok``, for TMA and cp.async)."""
+    if (q.device.type != "cuda" or not kv_rows_ok
+            or not supports(q.dtype, d, cfg.stages, cfg.consumers)):
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    return (q.stride(1) == d and q.stride(2) == 1 and q.data_ptr() % 16 == 0
+            and (q.stride(0) * q.element_size()) % 16 == 0)
+
+
+def layouts(dtype, d: int):
+    """Shared layouts (q tile, a consumer's kv rows) and the producer warp's paged copy: rows
+    per chunk (eight 16-byte copies a thread) and its layout."""
+    gdt = _GL_DTYPE[dtype]
+    vec = 128 // gdt.primitive_bitwidth        # elements per 16-byte cp.async
+    tpw_d = min(32, d // vec)
+    chunk = min(PART_N, 256 * vec // d)
+    kv_load = gl.BlockedLayout([1, vec], [32 // tpw_d, tpw_d], [1, 1], [1, 0])
+    kv_smem = gl.NVMMASharedLayout.get_default_for([PART_N, d], gdt)
+    q_smem = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d], gdt)
+    return q_smem, kv_smem, kv_load, chunk
+
+
+_SMS: dict[int, int] = {}
+
+
+def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged, page,
+           strides_kv, strides_sc, stride_bt, clean, cfg: HopperConfig):
+    m, h, d = q.shape
+    n = out.shape[1]
+    stages = max(2, cfg.stages)
+    q_smem, kv_smem, kv_load, chunk = layouts(q.dtype, d)
+    q2 = q.as_strided((m, h * d), (q.stride(0), 1))
+    q_desc = TensorDescriptor(q2, [m, h * d], [q.stride(0), 1], [BLOCK_M, d], q_smem)
+    if paged:
+        kv_desc = q_desc          # unused: paged rows are gathered with cp.async
+    else:
+        kv_desc = TensorDescriptor(kv, [kv.shape[0], d], [strides_kv[0], 1], [PART_N, d],
+                                   kv_smem)
+    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if dev not in _SMS:
+        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
+    maxnreg, consumer_regs, producer_regs = cfg.registers()
+    n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
+    _logits_ws_kernel[(min(tiles, _SMS[dev]),)](
+        q_desc, kv_desc, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, m, n, num_reqs, n_steps,
+        strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], w.stride(0), w.stride(1),
+        out.stride(0), stride_bt,
+        H=h, D=d, STAGES=stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
+        KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
+    return out
