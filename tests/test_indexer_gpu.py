@@ -24,7 +24,7 @@ from indexer import (PagedKV, PrefillStats, mqa_logits, paged_mqa_logits, prefil
                      row_stride_elems, token_ranges, top_k_per_row)
 from indexer import logits as logits_mod
 from indexer import reference as ref
-from indexer.topk import PATH_FALLBACK, PATH_SAMPLED
+from indexer import topk as topk_mod
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -136,9 +136,9 @@ def test_topk_long_rows_ties_and_paths():
     counts = torch.bincount(path.long(), minlength=4).tolist()
     report(test="topk", M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
     assert valid.all()
-    assert path[5].item() == PATH_FALLBACK
-    assert counts[PATH_SAMPLED] > m // 2
-    assert counts[PATH_FALLBACK] <= 10, "the sample bracket should rarely miss on random rows"
+    assert path[5].item() == topk_mod.PATH_FALLBACK
+    assert counts[topk_mod.PATH_SAMPLED] > m // 2
+    assert counts[topk_mod.PATH_FALLBACK] <= 10, "the sample bracket should rarely miss on random rows"
 
 
 def make_paged(kv, kv_scale, kv_lens, page, g):
