@@ -5,7 +5,13 @@
 per-row float32 scale in ``kv_scale``; q's scale is folded into ``w`` as vLLM does) or float32;
 w and kv_scale are float32; the output is float32.
 
-Tiling: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x kv entries). It loads
+Two kernels: on sm_90, bf16, fp16 and fp8 calls go by default to the warp-specialized Gluon
+kernel of ``logits_hopper`` (consumer warpgroups that ping-pong their products and relus; 96%
+of the bf16 matmul rate on an H200). The portable Triton kernel below serves everything else
+(other GPUs, float32, inputs the Gluon kernel cannot take, the CPU interpreter); on an H200 it
+runs at ~62% of the matmul rate, because its relus wait for each product.
+
+Tiling of the portable kernel: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x kv entries). It loads
 its kv tile once into shared memory, then loops over the heads: per head one
 ``[BLOCK_N, D] x [D, BLOCK_M]`` tensor-core product (kv is the A operand, so it stays put in
 shared memory; q tiles stream through a ``NUM_STAGES``-deep pipeline as the B operand), whose
@@ -204,8 +210,14 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
     chosen = _CHOSEN.get(_key(dtype, h, d, paged))
     if chosen is not None:
         return chosen
-    if _on_hopper() and hopper.supports(dtype, d):
-        return HopperConfig()
+    if _on_hopper():
+        # Measured on an H200 (benchmarks/RESULTS.md): bf16 is fastest with two consumer
+        # warpgroups and 3 q stages; fp8's products take half as long, and a third consumer
+        # with a deeper q ring keeps the tensor cores fed through the relus.
+        for cfg in ((HopperConfig(3),) if dtype != _FP8 else
+                    (HopperConfig(6, 3), HopperConfig(4))):
+            if hopper.supports(dtype, d, cfg.stages, cfg.consumers):
+                return cfg
     return _portable_default(dtype, d)
 
 
@@ -232,7 +244,8 @@ def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig | HopperC
     """Configs worth timing on a Hopper GPU: the warp-specialized kernel's q pipeline depths
     (on sm_90) and the portable kernel's tiles, those that fit in shared memory."""
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
-    ws = ([c for c in (HopperConfig(3), HopperConfig(4), HopperConfig(4, 3), HopperConfig(6, 3))
+    ws = ([c for c in (HopperConfig(3), HopperConfig(4), HopperConfig(4, 3), HopperConfig(6, 3),
+                       HopperConfig(8, 3))
            if hopper.supports(dtype, d, c.stages, c.consumers)] if _on_hopper() else [])
     return ws + [c for c in _CANDIDATES
                  if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]

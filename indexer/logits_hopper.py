@@ -16,14 +16,18 @@ hide them were tried on sm_90:
   wait for each other: while one runs its relus the other's product keeps the tensor cores
   busy (the ping-pong of FlashAttention-3 and CUTLASS). This is the kernel.
 
-Partitions of one CTA (one per SM, looping over ``64 x 256`` output tiles):
+Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output tiles):
 
 * a producer warp: copies each tile's 256 kv rows and scales into one of two buffers with
   ``cp.async`` (dense rows, or rows found through the block table), and streams q tiles
   (``64 x D``, one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``;
-* two consumer warpgroups, each owning 128 of the tile's 256 columns: per head, wait for the
-  q tile, one ``64 x 128 x D`` wgmma, release the q tile, relu, weight, accumulate. Both read
-  the same q tile from shared memory, so each q byte fetched from L2 feeds 256 columns.
+* two or three consumer warpgroups (``HopperConfig.consumers``), each owning 128 of the
+  tile's columns: per head, wait for the q tile, one ``64 x 128 x D`` wgmma, release the q
+  tile, relu, weight, accumulate. All read the same q tile from shared memory, so each q byte
+  fetched from L2 feeds 256 or 384 columns. fp8 products take half as long as bf16 ones, so
+  two consumers' relus no longer fit under each other's products; a third keeps the tensor
+  cores fed (at the price of a few spilled registers: four warpgroups share the register
+  file).
 
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
 ``clean``). All partitions walk the same tile sequence (each decides activity itself).
