@@ -54,7 +54,8 @@ def parse_args(argv=None):
                    help="do not re-run the prefill with the arena installed")
     p.add_argument("--arena", action="store_true",
                    help="install the alloc arena first (used by the child run)")
-    p.add_argument("--logits-config", help="BLOCK_M,BLOCK_N,warps,stages for fp8 H=64 D=128")
+    p.add_argument("--logits-config", help="fp8 H=64 D=128 logits config: BLOCK_M,BLOCK_N,"
+                   "warps,stages (portable kernel) or wgmma:stages,consumers (sm_90 kernel)")
     p.add_argument("--topk-config", help="block,cand,warps,programs_per_sm")
     p.add_argument("--prompt", type=int, default=254_000)
     p.add_argument("--chunk", type=int, default=3_200)
@@ -75,7 +76,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import indexer  # noqa: E402
-from indexer import (LogitsConfig, PrefillStats, TopkConfig, prefill_topk,  # noqa: E402
+from indexer import (HopperConfig, LogitsConfig, PrefillStats, TopkConfig, prefill_topk,  # noqa: E402
                      row_stride_elems)
 from indexer import reference as ref  # noqa: E402
 
@@ -421,8 +422,18 @@ def topk_name(cfg: TopkConfig) -> str:
             f"x{cfg.programs_per_sm}/SM")
 
 
+def logits_config_text(cfg) -> str:
+    if isinstance(cfg, HopperConfig):
+        return f"wgmma:{cfg.stages},{cfg.consumers}"
+    return f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+
+
 def parse_logits_config(text):
-    return LogitsConfig(*(int(v) for v in text.split(","))) if text else None
+    if not text:
+        return None
+    if text.startswith("wgmma:"):
+        return HopperConfig(*(int(v) for v in text[len("wgmma:"):].split(",")))
+    return LogitsConfig(*(int(v) for v in text.split(",")))
 
 
 def parse_topk_config(text):
@@ -494,7 +505,7 @@ def child_run(b: Bench) -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--arena", "--only", "prefill",
            "--json", path, "--prompt", str(ARGS.prompt), "--chunk", str(ARGS.chunk),
            "--budget-mb", str(ARGS.budget_mb),
-           "--logits-config", f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}",
+           "--logits-config", logits_config_text(cfg),
            "--topk-config", f"{tk.block},{tk.cand},{tk.num_warps},{tk.programs_per_sm}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
