@@ -1,56 +1,87 @@
-"""Per-row top-k over float32 logits in Triton: sample-bracketed radix select.
+"""Per-row top-k over float32 logits in Triton: a histogram radix select that reads each row twice.
 
 For row i the kernel returns the indices (relative to ``ks[i]``) of the ``k`` largest entries
 of ``logits[i, ks[i]:ke[i]]``, ``-1`` padding rows shorter than k. Order within a row is not by
-value: entries above the threshold come first in index order, then the threshold's own
-entries; ties at the threshold go to the lowest indices.
+value; the set is exact, and ties at the threshold go to the lowest indices.
 
-Why not the radix select of vLLM's ``top_k_per_row`` or tilelang's top-k as written: they build
-a 2048-bin histogram with shared-memory atomics in a single pass, and Triton has neither
-shared-memory atomics nor a cheap wide histogram (``tl.histogram`` lowers to one warp ballot
-per key bit plus one popcount per owned bin, so its cost grows with the bin count). The
-selection is the same radix idea — float keys mapped to order-preserving integers, a threshold
-key found digit by digit, then one compaction — with the coarse digits replaced by a sample:
+Every comparison is on an order-preserving integer key (the float's bits with the magnitude
+flipped for negatives, so -0.0 sorts just below +0.0 and the infinities at the ends). A row is
+cut into key bins, the bin holding the k-th largest key is found from exact counts, and only
+that bin's entries are examined further. One persistent program works on one row at a time:
 
-1. ``L = ke - ks <= k``: write ``0..L-1`` and ``-1``s.
-2. ``L <= CAND``: the whole row is the candidate set (step 4).
-3. Otherwise read ``RUNS`` runs of ``RUN`` consecutive entries at jittered, evenly spread
-   positions (a sample of ``S = RUNS * RUN``). Where the k-th largest of the row should fall in
-   the sample (rank ``r = k S / L``), take the sample keys at ranks ``r -/+ Z sqrt(r)`` as a
-   bracket ``[t_lo, t_hi]``. One pass over the row (the only full read; it streams from HBM)
-   writes entries above ``t_hi`` straight to the output and compacts the entries inside the
-   bracket into a per-program scratch list of at most ``CAND`` indices, both positions coming
-   from one prefix sum of a packed two-counter code.
-4. If the bracket holds the k-th largest (fewer than k above it, at least k at or above
-   ``t_lo``) and the candidates fit, the exact threshold among the candidates is found by
-   bisection on the integer keys (each step a compare and a block reduction over registers),
-   and the candidates above it, plus the first ties, are appended.
-5. If not (a skewed sample, or heavy ties), an exact fallback bisects the key range over the
-   whole row (up to 32 passes, from L2) and then runs the same compaction with
-   ``t_lo = t_hi = threshold``. It is correct for any input, only slower; ``return_path`` tells
-   how often it ran.
+1. ``L = ke - ks <= k``: write ``0..L-1`` and ``-1``s (``PATH_SHORT``).
+2. ``L <= min(CAND, 2 S)`` (see 3): the whole row is the candidate list of step 6, one read
+   (``PATH_DIRECT``).
+3. Window: a jittered sample of ``S = RUNS x RUN`` entries and three 32-bin histogram rounds
+   on its keys give the key range of the sample ranks ``r -/+ Z sqrt(r)`` around the k-th
+   largest's expected rank ``r = k S / L``. It only places pass 1's bins; nothing depends
+   on it being right.
+4. Pass 1 (read 1): count the row into 8 key bins, 6 across the window and one open bin at
+   each end. From these exact counts a suffix sum gives the threshold bin b* (the last bin
+   whose suffix holds >= k entries) and the number of entries above it.
+5. Pass 2 (read 2, from the row's end, so that it starts on what pass 1 left in L2): every
+   entry whose key is at least b*'s lower edge goes, as a (key, index) pair, into the
+   program's list in scratch: fewer than k above b* plus b*'s own entries (~500-900 for a
+   65,536-entry row of normal, uniform, exponential or log-normal values with the defaults).
+6. Select, from the list: entries above b* go to the output; b*'s entries are compacted to
+   the list's front and narrowed by 32-bin histograms on their keys (5 bits a round, no
+   bisection) to the exact threshold key T and the number of its ties the top k takes; if
+   that is fewer than there are, the same rounds on the ties' indices find the index cut.
+   Then the entries above T and the ties up to the cut go to the output.
+7. If b*'s entries do not fit in ``CAND``, pass 1 runs again with its bins spread over b*
+   alone (each pass cuts the key range at least 3-fold, typically 6-fold) until they fit
+   (``PATH_REFINED``), or until b* is a single key whose ties overflow: then one last pass
+   writes the entries above it and the first ties in index order (``PATH_TIES``). Correct
+   for any input without NaNs, only slower.
 
-With the defaults (S = 4096, Z = 5, CAND = 4096, k = 2048) a 65,536-entry row yields about
-1,800 candidates (2 Z sqrt(k L / S) in general, so rows up to ~300,000 entries fit), and a
-bracket miss has a probability of order 1e-6 for independent values.
+Why pass 1 does not use ``tl.histogram`` with 2048 bins (the digit of an 11-bit radix pass):
+in Triton 3.6, what the H200 runs, it lowers to one warp ballot per bin-index bit plus one
+popcount per bin owned by each lane: ~270 instructions an entry at 2048 bins, 64 of them
+popcounts, which issue at 16 a clock per SM, so one pass over 4096 x 65536 entries would take
+~4 ms (at 64 bins it is still ~45 instructions an entry). Triton 3.9 lowers it to one
+shared-memory atomic per entry, but the kernel must be fast on 3.6. So pass 1 keeps, per
+thread, 8 byte-wide counters packed in one int64: adding ``1 << 8 bin`` is two instructions
+an entry, about 11 in all with the bin's computation, and the counters are summed across the
+threads every 15 blocks. Eight bins are coarse; the sample window is what makes them land
+around the threshold. ``tl.histogram`` is still used where few keys go through it (the
+sample and the candidate rounds).
+
+Why the rest looks the way it does. The previous kernel (a sample bracket, then 32-step
+bisections of block reductions) was latency-bound at 2 programs an SM. Here a row costs a
+few dozen block-wide steps, and registers (128 a thread on Triton 3.6, capped by
+``programs_per_sm``) leave room for 4 programs of 4 warps an SM, so that one program's
+serial selection overlaps the others' streaming. The passes' loads are unmasked, 16-byte
+vectors except in two edge blocks, and pipelined through shared memory (cp.async). Per
+block, what would be a block-wide scan runs as per-thread work plus one scan of a count per
+thread (which is why the list is not in index order, and why the selection breaks ties by
+index itself). When the bins lie above zero (the usual case for top-k logits) both passes
+compare the raw float bits as integers, which order the same as the keys there, and skip
+the key transform.
 """
-
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TopkConfig", "top_k_per_row", "default_config", "scratch_elems"]
+__all__ = ["TopkConfig", "top_k_per_row", "default_config", "sweep_configs", "scratch_elems",
+           "max_registers"]
 
 INT32_MIN = tl.constexpr(-(2**31))
 INT32_MAX = tl.constexpr(2**31 - 1)
+PASS_BINS = tl.constexpr(8)       # bins of a row pass: 8-bit fields of one int64
+ROUND_BINS = tl.constexpr(32)     # bins of a sample or candidate round (tl.histogram)
 
-PATH_SHORT, PATH_DIRECT, PATH_SAMPLED, PATH_FALLBACK = 0, 1, 2, 3
-"""Values of the per-row path record: row of at most k entries; whole row as candidates;
-sample bracket held; exact fallback."""
+PATH_SHORT, PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_TIES = 0, 1, 2, 3, 4
+"""Values of the per-row path record: at most k entries; whole row as the candidate list (one
+read); threshold bin found by pass 1 (two reads); pass 1 repeated on the threshold bin (three
+reads or more); threshold bin a single key with more ties than fit, written by a tie pass."""
+_DIRECT = tl.constexpr(PATH_DIRECT)
+_RADIX = tl.constexpr(PATH_RADIX)
+_REFINED = tl.constexpr(PATH_REFINED)
+_TIES = tl.constexpr(PATH_TIES)
 
 
 # --------------------------------------------------------------------------------------------
@@ -58,135 +89,391 @@ sample bracket held; exact fallback."""
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _float_key(b_x):
-    # float32 -> int32 whose signed order is the float order (-0.0 just below +0.0):
-    # negative floats have their magnitude bits flipped.
-    b_bits = b_x.to(tl.int32, bitcast=True)
+def _float_key(b_bits):
+    # float32 bits (as int32) -> int32 whose signed order is the float order (-0.0 just below
+    # +0.0): negative floats have their magnitude bits flipped. Bits -1 (a NaN, never a valid
+    # entry) map to INT32_MIN, below every valid key; masked lanes use that.
     return b_bits ^ ((b_bits >> 31) & 0x7FFFFFFF)
 
 
 @triton.jit
-def _kth_key(b_key, b_valid, need, lo, hi):
-    """Largest t in [lo, hi] with #(valid & key >= t) >= need; needs #(key >= lo) >= need."""
-    lo = lo.to(tl.int64)
-    hi = hi.to(tl.int64)
-    while lo < hi:
-        mid = lo + (hi - lo + 1) // 2
-        cnt = tl.sum((b_valid & (b_key >= mid.to(tl.int32))).to(tl.int32))
-        ok = cnt >= need
-        lo = tl.where(ok, mid, lo)
-        hi = tl.where(ok, hi, mid - 1)
-    return lo
+def _shift_for(span, BOUND: tl.constexpr):
+    """Smallest s >= 0 with (span >> s) < BOUND, for an int64 span in [0, 2**40)."""
+    s = span * 0
+    for i in tl.static_range(6):
+        t = s + (32 >> i)
+        s = tl.where((span >> t) >= BOUND, t, s)
+    return tl.where(span >= BOUND, s + 1, s * 0).to(tl.int32)
 
 
 @triton.jit
-def _two_kth_keys(b_key, need_a, need_b):
-    """The need_a-th and need_b-th largest keys of a sample of fewer than 65,536 keys, found
-    by two bisections sharing one reduction per step (counts packed in 16-bit halves)."""
-    lo_a = tl.min(b_key).to(tl.int64)
-    hi_a = tl.max(b_key).to(tl.int64)
-    lo_b = lo_a
-    hi_b = hi_a
-    while (lo_a < hi_a) | (lo_b < hi_b):
-        mid_a = lo_a + (hi_a - lo_a + 1) // 2
-        mid_b = lo_b + (hi_b - lo_b + 1) // 2
-        b_code = ((b_key >= mid_a.to(tl.int32)).to(tl.int32)
-                  + ((b_key >= mid_b.to(tl.int32)).to(tl.int32) << 16))
-        cnt = tl.sum(b_code)
-        ok_a = (cnt & 0xFFFF) >= need_a
-        ok_b = (cnt >> 16) >= need_b
-        lo_a = tl.where(ok_a, mid_a, lo_a)
-        hi_a = tl.where(ok_a, hi_a, mid_a - 1)
-        lo_b = tl.where(ok_b, mid_b, lo_b)
-        hi_b = tl.where(ok_b, hi_b, mid_b - 1)
-    return lo_a, lo_b
+def _bin(b_key, base, shift, NB: tl.constexpr):
+    """Bin j holds keys in [base + j 2**shift, base + (j+1) 2**shift); bin 0 also everything
+    below and bin NB-1 everything above. base is an int32 scalar; returns uint32."""
+    b_u = (tl.maximum(b_key, base) - base).to(tl.uint32, bitcast=True)
+    return tl.minimum(b_u >> shift.to(tl.uint32), tl.full([], NB - 1, tl.uint32))
 
-
-# The row passes index the row from its (aligned) start and begin at ks rounded down to 16
-# entries, so every block starts 64-byte aligned; blocks wholly inside [ks, ke) load without a
-# mask, which is what lets Triton vectorize them (a runtime mask may change within a vector).
 
 @triton.jit
-def _row_block(p_base, start, ks, ke, BLOCK: tl.constexpr):
+def _pair(b_key, b_idx):
+    return (b_key.to(tl.int64) << 32) | b_idx.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+# The row passes split [ks, ke) into full blocks starting at ks rounded up to 16 entries (so
+# every one is 64-byte aligned and loads unmasked, which is what lets Triton vectorize it and
+# pipeline it through shared memory with cp.async) and at most two masked edge blocks: the
+# head [ks, a) and the tail [t, ke). Masked lanes read as bits -1, whose key is below every
+# valid key.
+#
+# Inside a block, work that would be a block-wide scan or sum is split into what each thread
+# does alone and one step across threads: a block of BLOCK entries is viewed as [R, T, 4],
+# T threads each holding R vectors of 4 consecutive entries (the layout of a vectorized
+# load), so reducing over the first and last axes never leaves a thread.
+
+@triton.jit
+def _main_range(ks, ke, BLOCK: tl.constexpr):
+    a = (ks + 15) // 16 * 16
+    n_full = tl.maximum(ke - a, 0) // BLOCK
+    return a, n_full, a + n_full * BLOCK
+
+
+@triton.jit
+def _masked_bits(p_base, start, lo, hi, BLOCK: tl.constexpr):
     o_x = start + tl.arange(0, BLOCK)
-    m_x = (o_x >= ks) & (o_x < ke)
-    if (start >= ks) & (start + BLOCK <= ke):
-        b_x = tl.load(p_base + o_x)
+    m_x = (o_x >= lo) & (o_x < hi)
+    b_bits = tl.load(p_base + o_x, mask=m_x, other=0.0).to(tl.int32, bitcast=True)
+    return o_x, tl.where(m_x, b_bits, -1)
+
+
+@triton.jit
+def _halves(x, B: tl.constexpr):
+    """The first and the second half of a block (each thread's vectors split between them)."""
+    return tl.split(tl.permute(tl.reshape(x, [2, B // 2]), [1, 0]))
+
+
+@triton.jit
+def _quarters(x, T: tl.constexpr):
+    """Of a block of 4T entries, entries 0, 1, 2 and 3 of every vector of 4 (one vector per
+    thread), each as a [T] tensor."""
+    xa, xb = tl.split(tl.reshape(x, [T, 2, 2]))
+    x0, x2 = tl.split(xa)
+    x1, x3 = tl.split(xb)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _add4(a0, a1, a2, a3, b0, b1, b2, b3):
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3
+
+
+@triton.jit
+def _bin_counts(b_bits, base, shift, KEYS: tl.constexpr, BLOCK: tl.constexpr,
+                T: tl.constexpr):
+    """Per thread, its entries' counts in the PASS_BINS bins as byte fields of an int64."""
+    b_key = b_bits
+    if KEYS:
+        b_key = _float_key(b_bits)
+    b_fld = _bin(b_key, base, shift, PASS_BINS) * 8
+    b_one = tl.full([BLOCK], 1, tl.int64) << b_fld.to(tl.int64)
+    return tl.sum(tl.sum(tl.reshape(b_one, [BLOCK // (4 * T), T, 4]), 2), 0)
+
+
+@triton.jit
+def _fold_bins(acc):
+    """Sum byte-field counters across threads: bins j and j+4 in the halves of word j."""
+    return tl.reduce((acc & 0x000000FF000000FF, (acc >> 8) & 0x000000FF000000FF,
+                      (acc >> 16) & 0x000000FF000000FF, (acc >> 24) & 0x000000FF000000FF),
+                     0, _add4)
+
+
+@triton.jit
+def _hist_pass(p_base, ks, ke, base, shift, KEYS: tl.constexpr, BLOCK: tl.constexpr,
+               T: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 1: counts of row[ks:ke] (plus the masked lanes, in bin 0) in PASS_BINS bins of
+    _bin(key, base, shift). KEYS=False compares the raw bits instead of the keys (the same
+    order for every bin when base >= 0). Returns int32 [PASS_BINS]."""
+    # Each thread keeps 8 byte counters in one int64: adding a shifted 1 is two instructions
+    # an entry. A thread gains 4R = BLOCK / T a block, so the counters are folded across the
+    # threads every FOLD blocks, before a byte can overflow (and once for the edge blocks).
+    FOLD: tl.constexpr = 255 * T // BLOCK
+    a, n_full, t = _main_range(ks, ke, BLOCK)
+    acc = tl.zeros([T], tl.int64)
+    if ks < a:
+        _, b_bits = _masked_bits(p_base, a - 16, ks, tl.minimum(a, ke), BLOCK)
+        acc += _bin_counts(b_bits, base, shift, KEYS, BLOCK, T)
+    if t < ke:
+        _, b_bits = _masked_bits(p_base, t, t, ke, BLOCK)
+        acc += _bin_counts(b_bits, base, shift, KEYS, BLOCK, T)
+    t0, t1, t2, t3 = _fold_bins(acc)
+    o_b = tl.arange(0, BLOCK)
+    for g in range(0, n_full, FOLD):
+        acc = tl.zeros([T], tl.int64)
+        for i in tl.range(g, tl.minimum(g + FOLD, n_full), num_stages=STAGES):
+            b_bits = tl.load(p_base + (a + i * BLOCK) + o_b).to(tl.int32, bitcast=True)
+            acc += _bin_counts(b_bits, base, shift, KEYS, BLOCK, T)
+        w0, w1, w2, w3 = _fold_bins(acc)
+        t0 += w0
+        t1 += w1
+        t2 += w2
+        t3 += w3
+    j = tl.arange(0, PASS_BINS)
+    j4 = j % 4
+    h = tl.where(j4 == 0, t0, tl.where(j4 == 1, t1, tl.where(j4 == 2, t2, t3)))
+    return tl.where(j < 4, h & 0xFFFFFFFF, h >> 32).to(tl.int32)
+
+
+@triton.jit
+def _piece_count(b_key, thr, T: tl.constexpr):
+    k0, k1, k2, k3 = _quarters(b_key, T)
+    return ((k0 >= thr).to(tl.int32) + (k1 >= thr).to(tl.int32) + (k2 >= thr).to(tl.int32)
+            + (k3 >= thr).to(tl.int32))
+
+
+@triton.jit
+def _piece_store(b_key, b_idx, thr, o_l, p_list, T: tl.constexpr):
+    k0, k1, k2, k3 = _quarters(b_key, T)
+    i0, i1, i2, i3 = _quarters(b_idx, T)
+    tl.store(p_list + o_l, _pair(k0, i0), mask=k0 >= thr)
+    o_l += (k0 >= thr).to(tl.int32)
+    tl.store(p_list + o_l, _pair(k1, i1), mask=k1 >= thr)
+    o_l += (k1 >= thr).to(tl.int32)
+    tl.store(p_list + o_l, _pair(k2, i2), mask=k2 >= thr)
+    o_l += (k2 >= thr).to(tl.int32)
+    tl.store(p_list + o_l, _pair(k3, i3), mask=k3 >= thr)
+    return o_l + (k3 >= thr).to(tl.int32)
+
+
+@triton.jit
+def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS: tl.constexpr,
+                   BLOCK: tl.constexpr, T: tl.constexpr):
+    b_key = b_bits
+    if KEYS:
+        b_key = _float_key(b_bits)
+    b_idx = o_x - ks
+    # Each thread writes its selected entries to consecutive slots after those of the
+    # threads before it, so the only steps across threads are one scan and one sum of a
+    # count per thread. (The list is therefore not in index order; the selection breaks ties
+    # by index itself.) A block is 1, 2 or 4 pieces of one vector of 4 per thread.
+    R: tl.constexpr = BLOCK // (4 * T)
+    if R == 1:
+        b_cnt = _piece_count(b_key, thr, T)
+        o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
+        _piece_store(b_key, b_idx, thr, o_l, p_list, T)
+    elif R == 2:
+        ka, kb = _halves(b_key, BLOCK)
+        ia, ib = _halves(b_idx, BLOCK)
+        b_cnt = _piece_count(ka, thr, T) + _piece_count(kb, thr, T)
+        o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
+        o_l = _piece_store(ka, ia, thr, o_l, p_list, T)
+        _piece_store(kb, ib, thr, o_l, p_list, T)
     else:
-        b_x = tl.load(p_base + o_x, mask=m_x, other=0.0)
-    return o_x, m_x, _float_key(b_x)
+        tl.static_assert(R == 4, "a pass-2 block is 1, 2 or 4 vectors of 4 a thread")
+        ka, kb = _halves(b_key, BLOCK)
+        ia, ib = _halves(b_idx, BLOCK)
+        kaa, kab = _halves(ka, BLOCK // 2)
+        kba, kbb = _halves(kb, BLOCK // 2)
+        iaa, iab = _halves(ia, BLOCK // 2)
+        iba, ibb = _halves(ib, BLOCK // 2)
+        b_cnt = (_piece_count(kaa, thr, T) + _piece_count(kab, thr, T)
+                 + _piece_count(kba, thr, T) + _piece_count(kbb, thr, T))
+        o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
+        o_l = _piece_store(kaa, iaa, thr, o_l, p_list, T)
+        o_l = _piece_store(kab, iab, thr, o_l, p_list, T)
+        o_l = _piece_store(kba, iba, thr, o_l, p_list, T)
+        _piece_store(kbb, ibb, thr, o_l, p_list, T)
+    return n_done + tl.sum(b_cnt)
 
 
 @triton.jit
-def _count_row(p_base, ks, ke, t, STRICT: tl.constexpr, BLOCK: tl.constexpr):
-    """#(key > t) if STRICT else #(key >= t) over row[ks:ke]."""
-    cnt = ks * 0
-    for start in range(ks // 16 * 16, ke, BLOCK):
-        o_x, m_x, b_key = _row_block(p_base, start, ks, ke, BLOCK)
-        if STRICT:
-            b_hit = b_key > t
-        else:
-            b_hit = b_key >= t
-        cnt += tl.sum((m_x & b_hit).to(tl.int32))
-    return cnt
+def _collect_pass(p_base, ks, ke, thr, p_list, KEYS: tl.constexpr, BLOCK: tl.constexpr,
+                  T: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 2: every entry with key >= thr (> INT32_MIN, so never a masked lane) goes to
+    p_list as (key << 32 | index - ks). Runs from the row's end, where pass 1 finished, so
+    the first blocks it reads are the likeliest to be still in L2."""
+    a, n_full, t = _main_range(ks, ke, BLOCK)
+    n_done = ks * 0
+    if t < ke:
+        o_x, b_bits = _masked_bits(p_base, t, t, ke, BLOCK)
+        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, BLOCK, T)
+    o_b = tl.arange(0, BLOCK)
+    for i in tl.range(0, n_full, num_stages=STAGES):
+        o_x = (a + (n_full - 1 - i) * BLOCK) + o_b
+        b_bits = tl.load(p_base + o_x).to(tl.int32, bitcast=True)
+        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, BLOCK, T)
+    if ks < a:
+        o_x, b_bits = _masked_bits(p_base, a - 16, ks, tl.minimum(a, ke), BLOCK)
+        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, BLOCK, T)
 
 
 @triton.jit
-def _split_pass(p_base, ks, ke, t_hi, t_lo, p_def, def_cap, p_cand, cand_cap,
-                BLOCK: tl.constexpr):
-    """One pass over the row: indices with key > t_hi go to p_def[0..], indices with
-    t_lo <= key <= t_hi to p_cand[0..], both in index order and each cut at its cap. Returns
-    the full counts, so a caller can tell whether a cap was hit. Indices are relative to ks."""
-    n_def = ks * 0
-    n_cand = ks * 0
-    for start in range(ks // 16 * 16, ke, BLOCK):
-        o_x, m_x, b_key = _row_block(p_base, start, ks, ke, BLOCK)
-        b_def = m_x & (b_key > t_hi)
-        b_cand = m_x & (b_key >= t_lo) & (b_key <= t_hi)
+def _ties_pass(p_base, ks, ke, t, n_gt, p_dst, K: tl.constexpr, BLOCK: tl.constexpr):
+    """The n_gt entries with key > t go to p_dst[0..n_gt) and the first K - n_gt entries with
+    key == t, in index order, to p_dst[n_gt..K); stops once both are complete."""
+    need = K - n_gt
+    n_a = n_gt * 0
+    n_e = n_gt * 0
+    start = ks // 16 * 16
+    while (start < ke) & ((n_a < n_gt) | (n_e < need)):
+        o_x, b_key = _masked_bits(p_base, start, ks, ke, BLOCK)
+        b_key = _float_key(b_key)
+        b_gt = b_key > t
+        b_eq = b_key == t
         # Both output positions from one scan: BLOCK < 2**15, so the halves never carry.
-        b_code = b_def.to(tl.int32) + (b_cand.to(tl.int32) << 16)
+        b_code = b_gt.to(tl.int32) + (b_eq.to(tl.int32) << 16)
         b_csum = tl.cumsum(b_code, 0)
-        o_def = n_def + (b_csum & 0xFFFF) - 1
-        o_cand = n_cand + (b_csum >> 16) - 1
-        tl.store(p_def + o_def, o_x - ks, mask=b_def & (o_def < def_cap))
-        tl.store(p_cand + o_cand, o_x - ks, mask=b_cand & (o_cand < cand_cap))
+        o_e = n_e + (b_csum >> 16) - 1
+        tl.store(p_dst + n_a + (b_csum & 0xFFFF) - 1, o_x - ks, mask=b_gt)
+        tl.store(p_dst + n_gt + o_e, o_x - ks, mask=b_eq & (o_e < need))
         b_tot = tl.sum(b_code)
-        n_def += b_tot & 0xFFFF
-        n_cand += b_tot >> 16
-    return n_def, n_cand
+        n_a += b_tot & 0xFFFF
+        n_e += b_tot >> 16
+        start += BLOCK
 
 
 @triton.jit
-def _select(p_row, p_cand, n_scratch, n_cand, need, p_dst, CAND: tl.constexpr):
-    """Append to p_dst the `need` largest of n_cand candidates, ties to the lowest index. The
-    candidates are the scratch list when n_scratch (== n_cand) is positive, else the row's
-    first n_cand entries."""
-    o_c = tl.arange(0, CAND)
-    m_c = o_c < n_cand
-    m_s = o_c < n_scratch
-    b_idx = tl.where(m_s, tl.load(p_cand + o_c, mask=m_s, other=0), o_c)
-    b_key = _float_key(tl.load(p_row + b_idx, mask=m_c, other=0.0))
-    lo = tl.min(tl.where(m_c, b_key, INT32_MAX))
-    hi = tl.max(tl.where(m_c, b_key, INT32_MIN))
-    t = _kth_key(b_key, m_c, need, lo, hi).to(tl.int32)
-    b_gt = m_c & (b_key > t)
-    b_eq = m_c & (b_key == t)
-    n_gt = tl.sum(b_gt.to(tl.int32))
-    b_eq_rank = tl.cumsum(b_eq.to(tl.int32), 0) - 1
-    b_take = b_gt | (b_eq & (b_eq_rank < need - n_gt))
-    o_dst = tl.cumsum(b_take.to(tl.int32), 0) - 1
-    tl.store(p_dst + o_dst, b_idx, mask=b_take)
+def _sample_window(p_row, length, row, K: tl.constexpr, RUNS: tl.constexpr,
+                   RUN: tl.constexpr, Z: tl.constexpr):
+    """Key range [lo, hi] (int64) that a jittered sample of RUNS runs of RUN entries says holds
+    the row's k-th largest: the sample's keys of rank r +/- Z sqrt(r), r = k S / length, found
+    by three rounds of ROUND_BINS-bin histograms, each over the previous one's bracket."""
+    S: tl.constexpr = RUNS * RUN
+    seg = length // RUNS
+    o_run = tl.arange(0, RUNS)
+    b_h = (o_run + row * RUNS).to(tl.uint32) * 1103515245 + 12345
+    b_h = b_h ^ (b_h >> 16)
+    b_jitter = (b_h % (seg - RUN + 1).to(tl.uint32)).to(tl.int32)
+    o_s = (o_run * seg + b_jitter)[:, None] + tl.arange(0, RUN)[None, :]
+    b_key = tl.reshape(_float_key(tl.load(p_row + o_s).to(tl.int32, bitcast=True)), [S])
+    r = (K * S) / length.to(tl.float32)
+    spread = Z * tl.sqrt(r)
+    need_a = tl.maximum(tl.floor(r - spread), 0.0).to(tl.int32)
+    need_b = tl.maximum(tl.minimum(tl.ceil(r + spread), S), 1.0).to(tl.int32)
+    lo = tl.min(b_key).to(tl.int64)
+    hi = tl.max(b_key).to(tl.int64)
+    for _ in tl.static_range(3):
+        sh = _shift_for(hi - lo, ROUND_BINS)
+        b_bin = _bin(b_key, lo.to(tl.int32), sh, ROUND_BINS).to(tl.int32)
+        c = tl.cumsum(tl.histogram(b_bin, ROUND_BINS), 0, reverse=True)
+        pk = tl.sum((c >= need_a).to(tl.int32) + ((c >= need_b).to(tl.int32) << 16))
+        ja = (pk & 0xFFFF) - 1
+        jb = (pk >> 16) - 1
+        new_hi = tl.where(ja == ROUND_BINS - 1, hi, lo + ((ja + 1).to(tl.int64) << sh) - 1)
+        lo = tl.minimum(lo + (jb.to(tl.int64) << sh), new_hi)
+        hi = new_hi
+    return lo, hi
+
+
+@triton.jit
+def _narrow(p_list, n_c, lo, hi, need, n_live, t, BY_INDEX: tl.constexpr,
+            CHUNK: tl.constexpr):
+    """Narrow the int64 range [lo, hi] down to the need-th largest value of the entries of
+    p_list[0..n_c) that lie in it, ROUND_BINS bins a round. The values are the keys or, with
+    BY_INDEX, minus the index of the entries whose key is t. Returns that value, and, of the
+    entries holding it, how many belong to the top (need) and how many there are (n_live)."""
+    j = tl.arange(0, ROUND_BINS)
+    # Each round cuts [lo, hi] at least 16-fold: 8 rounds cover any 32-bit range.
+    for _ in tl.range(0, 8, disable_licm=True):
+        if lo < hi:
+            sh = _shift_for(hi - lo, ROUND_BINS)
+            h = tl.zeros([ROUND_BINS], tl.int32)
+            for c0 in range(0, n_c, CHUNK):
+                o_c = c0 + tl.arange(0, CHUNK)
+                m_c = o_c < n_c
+                b_pair = tl.load(p_list + o_c, mask=m_c, other=0)
+                if BY_INDEX:
+                    b_v = -b_pair.to(tl.int32)
+                    m_c = m_c & ((b_pair >> 32).to(tl.int32) == t)
+                else:
+                    b_v = (b_pair >> 32).to(tl.int32)
+                m_c = m_c & (b_v >= lo) & (b_v <= hi)
+                b_bin = _bin(b_v, lo.to(tl.int32), sh, ROUND_BINS).to(tl.int32)
+                h += tl.histogram(b_bin, ROUND_BINS, mask=m_c)
+            c = tl.cumsum(h, 0, reverse=True)
+            jb = tl.sum((c >= need).to(tl.int32)) - 1
+            pk = tl.sum(tl.where(j == jb, (c.to(tl.int64) << 32) | h.to(tl.int64), 0))
+            n_live = (pk & 0xFFFFFFFF).to(tl.int32)
+            need -= (pk >> 32).to(tl.int32) - n_live
+            lo = lo + (jb.to(tl.int64) << sh)
+            hi = tl.minimum(lo + (tl.full([], 1, tl.int64) << sh) - 1, hi)
+    return lo, need, n_live
+
+
+@triton.jit
+def _select(p_row, p_list, p_dst, length, n_list, n_above, hi_bin, direct,
+            K: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the top K of a list to p_dst. The list is the program's p_list[0..n_list) of
+    (key, index) pairs in any order, or with ``direct`` the row itself (p_row[0..n_list)).
+    Its n_above entries with key > hi_bin all belong to the top K; the rest are candidates."""
+    tl.debug_barrier()  # the list was written by other lanes
+    # A: entries above the threshold bin to the output, candidates to the list's front (in
+    # place: none is written past the end of the chunk it was read from, and the barrier in
+    # the loop keeps every lane's read of a chunk before any write into it).
+    n_a = n_list * 0
+    n_c = n_list * 0
+    c_min = n_list * 0 + INT32_MAX
+    c_max = n_list * 0 + INT32_MIN
+    for c0 in range(0, n_list, CHUNK):
+        o_c = c0 + tl.arange(0, CHUNK)
+        m_c = o_c < n_list
+        if direct:
+            b_key = _float_key(tl.load(p_row + o_c, mask=m_c, other=0.0)
+                               .to(tl.int32, bitcast=True))
+            b_idx = o_c
+        else:
+            b_pair = tl.load(p_list + o_c, mask=m_c, other=0)
+            b_key = (b_pair >> 32).to(tl.int32)
+            b_idx = b_pair.to(tl.int32)
+        b_above = m_c & (b_key > hi_bin)
+        b_cand = m_c & (b_key <= hi_bin)
+        # Both positions from one scan: CHUNK < 2**15, so the halves never carry.
+        b_code = b_above.to(tl.int32) + (b_cand.to(tl.int32) << 16)
+        b_csum = tl.cumsum(b_code, 0)
+        tl.debug_barrier()
+        tl.store(p_dst + n_a + (b_csum & 0xFFFF) - 1, b_idx, mask=b_above)
+        tl.store(p_list + n_c + (b_csum >> 16) - 1, _pair(b_key, b_idx), mask=b_cand)
+        b_tot = tl.sum(b_code)
+        n_a += b_tot & 0xFFFF
+        n_c += b_tot >> 16
+        c_min = tl.minimum(c_min, tl.min(tl.where(b_cand, b_key, INT32_MAX)))
+        c_max = tl.maximum(c_max, tl.max(tl.where(b_cand, b_key, INT32_MIN)))
+    tl.debug_barrier()
+    # B: the threshold key t among the candidates, how many of its ties the top K takes
+    # (need) and how many there are (n_tie); if not all, the index cut that takes the lowest.
+    t, need, n_tie = _narrow(p_list, n_c, c_min.to(tl.int64), c_max.to(tl.int64),
+                             K - n_above, n_c, 0, False, CHUNK)
+    t = t.to(tl.int32)
+    i_cut = n_list * 0 + INT32_MAX
+    if n_tie > need:
+        m_i, _, _ = _narrow(p_list, n_c, (1 - length).to(tl.int64), (length * 0).to(tl.int64),
+                            need, n_tie, t, True, CHUNK)
+        i_cut = -m_i.to(tl.int32)
+    # C: candidates above t and the ties at t up to the index cut.
+    n_w = n_list * 0
+    for c0 in range(0, n_c, CHUNK):
+        o_c = c0 + tl.arange(0, CHUNK)
+        b_pair = tl.load(p_list + o_c, mask=o_c < n_c, other=0)
+        b_key = (b_pair >> 32).to(tl.int32)
+        b_idx = b_pair.to(tl.int32)
+        b_take = (o_c < n_c) & ((b_key > t) | ((b_key == t) & (b_idx <= i_cut)))
+        b_csum = tl.cumsum(b_take.to(tl.int32), 0)
+        tl.store(p_dst + n_above + n_w + b_csum - 1, b_idx, mask=b_take)
+        n_w += tl.sum(b_take.to(tl.int32))
+    tl.debug_barrier()  # the next row rewrites the list
 
 
 @triton.jit
 def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, stride_om,
-                 K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr,
-                 CAND: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr, Z: tl.constexpr,
-                 WITH_PATH: tl.constexpr):
+                 K: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr,
+                 BLOCK2: tl.constexpr, T2: tl.constexpr, CAND: tl.constexpr,
+                 CHUNK: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr,
+                 Z: tl.constexpr, STAGES: tl.constexpr, WITH_PATH: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    p_cand = p_scratch + pid.to(tl.int64) * CAND
-    for row in range(pid, M, nprog):
+    p_list = p_scratch + pid.to(tl.int64) * CAND  # int64 pairs
+    j = tl.arange(0, PASS_BINS)
+    # No hoisting out of the row loop (nor out of the refinement loop and the selection
+    # rounds): values kept live across it would cost every phase registers.
+    for row in tl.range(pid, M, nprog, disable_licm=True):
         ks = tl.maximum(tl.load(p_ks + row), 0)
         ke = tl.minimum(tl.load(p_ke + row), N)
         length = tl.maximum(ke - ks, 0)
@@ -195,55 +482,71 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
         p_row = p_base + ks
         p_dst = p_out + row_64 * stride_om
         path = length * 0
+        # what the selection needs, set by the direct and the two-pass paths
+        do_select = length < 0
+        direct = length < 0
+        n_list = length * 0
+        n_above = length * 0
+        hi_bin = length * 0 + INT32_MAX
         if length <= K:
-            o_k = tl.arange(0, K_POW2)
-            tl.store(p_dst + o_k, tl.where(o_k < length, o_k, -1), mask=o_k < K)
+            for c0 in range(0, K, CHUNK):
+                o_k = c0 + tl.arange(0, CHUNK)
+                tl.store(p_dst + o_k, tl.where(o_k < length, o_k, -1), mask=o_k < K)
+        elif length <= tl.minimum(CAND, 2 * RUNS * RUN):
+            # Too short for a useful sample: select from the row itself. (Longer rows that
+            # would fit the list still take the passes: two reads of a short row cost less
+            # than narrowing all of it in the selection's rounds.)
+            do_select = length > 0
+            direct = length > 0
+            n_list = length
+            path = length * 0 + _DIRECT
         else:
-            use_scratch = length > CAND
-            n_def = length * 0
-            n_cand = length
-            t_hi = length * 0
-            t_lo = length * 0
-            if use_scratch:
-                seg = length // RUNS
-                o_run = tl.arange(0, RUNS)
-                b_h = (o_run + row * RUNS).to(tl.uint32) * 1103515245 + 12345
-                b_h = b_h ^ (b_h >> 16)
-                b_jitter = (b_h % (seg - RUN + 1).to(tl.uint32)).to(tl.int32)
-                o_s = (o_run * seg + b_jitter)[:, None] + tl.arange(0, RUN)[None, :]
-                b_skey = _float_key(tl.load(p_row + o_s))
-                r = (K * RUNS * RUN) / length.to(tl.float32)
-                spread = Z * tl.sqrt(r)
-                need_hi = tl.floor(r - spread).to(tl.int32)
-                need_lo = tl.ceil(r + spread).to(tl.int32) + 1
-                k_hi, k_lo = _two_kth_keys(b_skey, tl.maximum(need_hi, 1),
-                                           tl.minimum(need_lo, RUNS * RUN))
-                # A rank outside the sample means no bound on that side.
-                t_hi = tl.where(need_hi >= 1, k_hi, INT32_MAX).to(tl.int32)
-                t_lo = tl.where(need_lo <= RUNS * RUN, k_lo, INT32_MIN).to(tl.int32)
-                n_def, n_cand = _split_pass(p_base, ks, ke, t_hi, t_lo, p_dst, K, p_cand, CAND,
-                                            BLOCK)
-            if (n_def < K) & (n_def + n_cand >= K) & (n_cand <= CAND):
-                _select(p_row, p_cand, tl.where(use_scratch, n_cand, 0), n_cand, K - n_def,
-                        p_dst + n_def, CAND)
-                path = length * 0 + 1 + use_scratch.to(tl.int32)
+            lo, hi = _sample_window(p_row, length, row, K, RUNS, RUN, Z)
+            n_pass = length * 0
+            c_bin = length * 0
+            done = length * 0
+            # A pass cuts [lo, hi] at least 3-fold: 22 passes reach a single key from any
+            # range, so the loop never ends with done == 0.
+            for _ in tl.range(0, 32, disable_licm=True):
+                if done == 0:
+                    # Spread the pass's inner bins over [lo, hi]: bin 1 starts at lo and bin
+                    # PASS_BINS-1 (open above) past hi.
+                    shift = _shift_for(hi - lo, PASS_BINS - 2)
+                    base = tl.maximum(lo - (tl.full([], 1, tl.int64) << shift), INT32_MIN)
+                    base = base.to(tl.int32)
+                    if base >= 0:
+                        h = _hist_pass(p_base, ks, ke, base, shift, False, BLOCK, T, STAGES)
+                    else:
+                        h = _hist_pass(p_base, ks, ke, base, shift, True, BLOCK, T, STAGES)
+                    h = tl.where(j == 0, h - (tl.sum(h) - length), h)  # masked lanes: bin 0
+                    c = tl.cumsum(h, 0, reverse=True)
+                    b = tl.sum((c >= K).to(tl.int32)) - 1
+                    pk = tl.sum(tl.where(j == b, (c.to(tl.int64) << 32) | h.to(tl.int64), 0))
+                    c_bin = (pk >> 32).to(tl.int32)
+                    n_above = c_bin - (pk & 0xFFFFFFFF).to(tl.int32)
+                    # No valid key is INT32_MIN (bits -1 are a NaN), so INT32_MIN + 1 bounds
+                    # them all from below and keeps the masked lanes out of pass 2.
+                    lo = tl.where(b == 0, INT32_MIN + 1, base + (b.to(tl.int64) << shift))
+                    hi = tl.where(b == PASS_BINS - 1, INT32_MAX,
+                                  tl.minimum(base + ((b + 1).to(tl.int64) << shift) - 1,
+                                             INT32_MAX))
+                    n_pass += 1
+                    done = ((c_bin <= CAND) | (lo == hi)).to(tl.int32)
+            if c_bin <= CAND:
+                thr = lo.to(tl.int32)
+                if thr >= 0:
+                    _collect_pass(p_base, ks, ke, thr, p_list, False, BLOCK2, T2, STAGES)
+                else:
+                    _collect_pass(p_base, ks, ke, thr, p_list, True, BLOCK2, T2, STAGES)
+                do_select = length > 0
+                n_list = c_bin
+                hi_bin = hi.to(tl.int32)
+                path = length * 0 + tl.where(n_pass == 1, _RADIX, _REFINED)
             else:
-                # Only a sampled row gets here; narrow the search with what the pass counted.
-                above = n_def >= K
-                below = n_def + n_cand < K
-                lo = tl.where(above, t_hi.to(tl.int64) + 1,
-                              tl.where(below, INT32_MIN, t_lo.to(tl.int64)))
-                hi = tl.where(above, INT32_MAX,
-                              tl.where(below, t_lo.to(tl.int64) - 1, t_hi.to(tl.int64)))
-                while lo < hi:
-                    mid = lo + (hi - lo + 1) // 2
-                    ok = _count_row(p_base, ks, ke, mid.to(tl.int32), False, BLOCK) >= K
-                    lo = tl.where(ok, mid, lo)
-                    hi = tl.where(ok, hi, mid - 1)
-                t = lo.to(tl.int32)
-                n_gt = _count_row(p_base, ks, ke, t, True, BLOCK)
-                _split_pass(p_base, ks, ke, t, t, p_dst, K, p_dst + n_gt, K - n_gt, BLOCK)
-                path = length * 0 + 3
+                _ties_pass(p_base, ks, ke, lo.to(tl.int32), n_above, p_dst, K, BLOCK2)
+                path = length * 0 + _TIES
+        if do_select:
+            _select(p_row, p_list, p_dst, length, n_list, n_above, hi_bin, direct, K, CHUNK)
         if WITH_PATH:
             tl.store(p_path + row, path.to(tl.int8))
 
@@ -254,41 +557,96 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
 
 @dataclass(frozen=True)
 class TopkConfig:
-    """``block``: entries per step of a row pass; ``cand``: candidate capacity (rows up to this
-    long skip the sample); ``runs`` x ``run``: the sample; ``z``: bracket half-width in
-    standard deviations of the sample rank; ``programs_per_sm``: persistent programs per SM."""
+    """``block``: entries per step of pass 1; ``collect_block``: entries per step of pass 2;
+    ``cand``: capacity of a program's list (the entries at or above the threshold bin: more
+    than k); ``chunk``: list entries per step of the selection; ``runs`` x ``run``: the
+    sample (rows up to twice as long skip the passes); ``z``: the window's half-width in
+    standard deviations of the sample rank; ``stages``: software-pipeline depth of the row
+    passes' loads (cp.async through shared memory); ``num_warps``; ``programs_per_sm``:
+    persistent programs per SM, which also caps the registers a thread may use so that they
+    all fit."""
     block: int = 2048
+    collect_block: int = 1024
     cand: int = 4096
-    runs: int = 512
+    chunk: int = 512
+    runs: int = 128
     run: int = 8
-    z: float = 5.0
-    num_warps: int = 8
-    programs_per_sm: int = 2
+    z: float = 3.0
+    stages: int = 3
+    num_warps: int = 4
+    programs_per_sm: int = 4
 
     def validate(self, k: int) -> None:
-        for name in ("block", "cand", "runs", "run"):
+        for name in ("block", "collect_block", "cand", "chunk", "runs", "run", "num_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"TopkConfig.{name} must be a power of two, got {v}")
-        if self.block >= 2**15:
-            raise ValueError("TopkConfig.block must be below 32768 (16-bit packed counts)")
-        if self.runs * self.run > min(self.cand, 2**15):
-            raise ValueError("the sample (runs * run) must fit in cand and below 32768")
+        for name in ("block", "collect_block"):
+            v = getattr(self, name)
+            if not 16 <= v < 2**15:
+                raise ValueError(f"TopkConfig.{name} must be in [16, 32768), got {v} "
+                                 "(16-entry aligned passes, 16-bit packed counts)")
+        if self.block // (4 * _threads(self.block, self)) > 31:
+            raise ValueError(f"TopkConfig.block ({self.block}) must be at most 124 entries a "
+                             f"thread ({124 * 32 * self.num_warps} at {self.num_warps} warps): "
+                             "byte-wide bin counters")
+        if self.collect_block // (4 * _threads(self.collect_block, self)) not in (1, 2, 4):
+            raise ValueError(f"TopkConfig.collect_block ({self.collect_block}) must be 4, 8 or "
+                             f"16 entries a thread ({128 * self.num_warps}, "
+                             f"{256 * self.num_warps} or {512 * self.num_warps} at "
+                             f"{self.num_warps} warps)")
+        if not 32 <= self.chunk < 2**15:
+            raise ValueError(f"TopkConfig.chunk must be in [32, 32768), got {self.chunk}")
         if self.cand <= k:
             raise ValueError(f"TopkConfig.cand ({self.cand}) must exceed k ({k})")
+        if self.runs * self.run > self.cand:
+            raise ValueError(f"the sample (runs * run = {self.runs * self.run}) must fit in "
+                             f"cand ({self.cand})")
+        if self.run > 2**15 // self.runs:
+            raise ValueError("the sample (runs * run) must be below 32768")
+        if not self.z >= 0:
+            raise ValueError(f"TopkConfig.z must be >= 0, got {self.z}")
+        if self.stages < 1:
+            raise ValueError(f"TopkConfig.stages must be >= 1, got {self.stages}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"TopkConfig.programs_per_sm must be >= 1, got "
+                             f"{self.programs_per_sm}")
+
+
+def _threads(block: int, cfg: TopkConfig) -> int:
+    # The T of a block's [R, T, 4] view: the threads of a program, unless the block has fewer
+    # vectors of 4 (the interpreter's small blocks).
+    return min(32 * cfg.num_warps, block // 4)
+
+
+def max_registers(cfg: TopkConfig) -> int:
+    """Registers a thread may use so that ``programs_per_sm`` programs fit in an SM's 65,536
+    (allocated in multiples of 8, at most 255)."""
+    return min(255, 65536 // (32 * cfg.num_warps * cfg.programs_per_sm) // 8 * 8)
 
 
 def default_config(k: int, device: str = "cuda") -> TopkConfig:
     kp = triton.next_power_of_2(max(k, 1))
     if device == "cpu":
         # Interpreter: small blocks so that short test rows take every path.
-        return TopkConfig(block=64, cand=max(128, 4 * kp), runs=16, run=4, z=3.0, num_warps=4,
-                          programs_per_sm=1)
-    # Compiled for sm_90, 8 warps with 4096 candidates take ~120 registers and no spills (two
-    # programs per SM); 8192 candidates need 16 warps to stay unspilled.
-    cand = max(4096, 2 * kp)
-    return TopkConfig(cand=cand, num_warps=8 if cand <= 4096 else 16,
-                      programs_per_sm=2 if cand <= 4096 else 1)
+        return TopkConfig(block=64, collect_block=32, cand=max(128, 4 * kp), chunk=32, runs=8,
+                          run=4, z=3.0, stages=1, num_warps=4, programs_per_sm=1)
+    return TopkConfig(cand=max(4096, 2 * kp))
+
+
+def sweep_configs(k: int) -> list[TopkConfig]:
+    """Candidates for a GPU sweep (the first is the default); each compiles for sm_90 without
+    spilling under its register cap on Triton 3.6 and 3.9 (tests/test_indexer_compile.py)."""
+    base = default_config(k)
+    return [base,
+            replace(base, stages=2),
+            replace(base, stages=4),
+            replace(base, programs_per_sm=3),
+            replace(base, collect_block=512),
+            replace(base, block=1024, chunk=256),
+            replace(base, num_warps=8, programs_per_sm=2, block=4096, collect_block=2048),
+            replace(base, num_warps=2, programs_per_sm=6, block=1024, collect_block=512,
+                    chunk=256, runs=64)]
 
 
 def _grid_size(m: int, device: torch.device, cfg: TopkConfig) -> int:
@@ -299,8 +657,9 @@ def _grid_size(m: int, device: torch.device, cfg: TopkConfig) -> int:
 
 
 def scratch_elems(m: int, device: torch.device, cfg: TopkConfig) -> int:
-    """int32 elements of scratch a call over m rows needs (one candidate list per program)."""
-    return _grid_size(m, device, cfg) * cfg.cand
+    """int32 elements of scratch a call over m rows needs (one list of ``cand`` int64 pairs per
+    program)."""
+    return _grid_size(m, device, cfg) * cfg.cand * 2
 
 
 def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int,
@@ -310,12 +669,13 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
 
     Shapes: logits float32 ``[M, N]`` (unit column stride, any row stride); ks, ke int32
     ``[M]``, clamped to ``[0, N]``; ``out`` int32 ``[M, k]`` with unit column stride (allocated
-    if not given); ``scratch`` int32 with at least ``scratch_elems(M, device, config)``
-    elements (allocated if not given; its size does not depend on N). Rows with fewer than k
-    entries are padded with ``-1``. Entries inside a row's range must not be NaN.
+    if not given); ``scratch`` int32, 8-byte aligned, with at least
+    ``scratch_elems(M, device, config)`` elements (allocated if not given; its size does not
+    depend on N). Rows with fewer than k entries are padded with ``-1``. Entries inside a
+    row's range must not be NaN.
 
     Returns ``out``, or ``(out, path)`` with ``return_path``: int8 ``[M]``, one of
-    ``PATH_SHORT``, ``PATH_DIRECT``, ``PATH_SAMPLED``, ``PATH_FALLBACK`` per row.
+    ``PATH_SHORT``, ``PATH_DIRECT``, ``PATH_RADIX``, ``PATH_REFINED``, ``PATH_TIES`` per row.
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [M, N], got {logits.dtype} "
@@ -339,14 +699,19 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
     if m == 0:
         return (out, path) if return_path else out
     grid = _grid_size(m, logits.device, cfg)
-    need = grid * cfg.cand
+    need = grid * cfg.cand * 2
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.int32, device=logits.device)
-    elif scratch.dtype != torch.int32 or scratch.numel() < need or not scratch.is_contiguous():
-        raise ValueError(f"scratch must be contiguous int32 with at least {need} elements")
+    elif (scratch.dtype != torch.int32 or scratch.numel() < need or not scratch.is_contiguous()
+          or scratch.data_ptr() % 8):
+        raise ValueError(f"scratch must be contiguous, 8-byte aligned int32 with at least "
+                         f"{need} elements")
+    pairs = scratch.narrow(0, 0, need).view(torch.int64)
     _topk_kernel[(grid,)](
-        logits, ks, ke, out, scratch, path, m, n, logits.stride(0), out.stride(0),
-        K=k, K_POW2=triton.next_power_of_2(k), BLOCK=cfg.block, CAND=cfg.cand, RUNS=cfg.runs,
-        RUN=cfg.run, Z=cfg.z, WITH_PATH=return_path, num_warps=cfg.num_warps,
+        logits, ks, ke, out, pairs, path, m, n, logits.stride(0), out.stride(0),
+        K=k, BLOCK=cfg.block, T=_threads(cfg.block, cfg), BLOCK2=cfg.collect_block,
+        T2=_threads(cfg.collect_block, cfg), CAND=cfg.cand, CHUNK=cfg.chunk, RUNS=cfg.runs,
+        RUN=cfg.run, Z=cfg.z, STAGES=cfg.stages, WITH_PATH=return_path,
+        num_warps=cfg.num_warps, maxnreg=max_registers(cfg),
     )
     return (out, path) if return_path else out

@@ -171,17 +171,54 @@ def test_hopper_logits_kernel_compiles_with_partitions_and_wgmma(dtype, consumer
     assert use["STACK"] <= (0 if consumers == 2 else 160), f"spills ({use})"
 
 
+def compile_topk(k, cfg):
+    """The top-k kernel as top_k_per_row launches it over [4096, 65536] logits: its constexprs
+    and the register cap that lets ``programs_per_sm`` programs share an SM."""
+    fn = topk_mod._topk_kernel
+    pointers = dict(p_x="fp32", p_ks="i32", p_ke="i32", p_out="i32", p_scratch="i64",
+                    p_path="i8")
+    constexprs = dict(K=k, BLOCK=cfg.block, T=topk_mod._threads(cfg.block, cfg),
+                      BLOCK2=cfg.collect_block, T2=topk_mod._threads(cfg.collect_block, cfg),
+                      CAND=cfg.cand, CHUNK=cfg.chunk, RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z,
+                      STAGES=cfg.stages, WITH_PATH=False)
+    ints = dict(M=4096, N=65536, stride_xm=65536, stride_om=k)
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        src = ASTSource(fn, signature, constexprs, attrs)
+    except TypeError as e:  # this Triton describes kernels differently; not a kernel bug
+        pytest.skip(f"ASTSource API differs in Triton {triton.__version__}: {e}")
+    return triton.compile(src, target=TARGET, options=dict(
+        num_warps=cfg.num_warps, maxnreg=topk_mod.max_registers(cfg)))
+
+
 @pytest.mark.parametrize("k", [2048, 512])
 def test_topk_kernel_compiles_for_sm90_without_spills(k):
     cfg = topk_mod.default_config(k)
-    kernel = compile_kernel(
-        topk_mod._topk_kernel,
-        dict(p_x="fp32", p_ks="i32", p_ke="i32", p_out="i32", p_scratch="i32", p_path="i8"),
-        dict(M=4096, N=65536, stride_xm=65536, stride_om=k),
-        dict(K=k, K_POW2=triton.next_power_of_2(k), BLOCK=cfg.block, CAND=cfg.cand,
-             RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z, WITH_PATH=False),
-        cfg.num_warps)
+    kernel = compile_topk(k, cfg)
     use = resources(kernel)
+    print(f"top-k k={k} Triton {triton.__version__}: {use['REG']} registers a thread "
+          f"(cap {topk_mod.max_registers(cfg)}), {kernel.metadata.shared} B shared, {cfg}")
     assert use["STACK"] == 0, f"{cfg}: spills ({use})"
-    # two programs per SM need at most 128 registers a thread at 8 warps
+    # every program of the persistent grid must be resident at once
     assert use["REG"] * 32 * cfg.num_warps * cfg.programs_per_sm <= 65536, use
+    assert kernel.metadata.shared * cfg.programs_per_sm <= 228 * 1024
+    assert "cp.async" in kernel.asm["ptx"], "expected the row passes' loads pipelined"
+
+
+@pytest.mark.parametrize("index", range(len(topk_mod.sweep_configs(2048))))
+def test_topk_sweep_candidates_compile_without_spills(index):
+    cfg = topk_mod.sweep_configs(2048)[index]
+    use = resources(compile_topk(2048, cfg))
+    print(f"top-k sweep {index} Triton {triton.__version__}: {use['REG']} registers a thread "
+          f"(cap {topk_mod.max_registers(cfg)}), {cfg}")
+    assert use["STACK"] == 0, f"{cfg}: spills ({use})"

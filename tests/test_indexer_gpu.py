@@ -133,12 +133,12 @@ def test_topk_long_rows_ties_and_paths():
     x[6] = torch.randint(0, 4, (n,), generator=g, device="cuda").float()
     out, path = top_k_per_row(x, ks, ke, K, return_path=True)
     valid = ref.topk_validity(x.double(), out, ks, ke, K)
-    counts = torch.bincount(path.long(), minlength=4).tolist()
+    counts = torch.bincount(path.long(), minlength=5).tolist()
     report(test="topk", M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
     assert valid.all()
-    assert path[5].item() == topk_mod.PATH_FALLBACK
-    assert counts[topk_mod.PATH_SAMPLED] > m // 2
-    assert counts[topk_mod.PATH_FALLBACK] <= 10, "the sample bracket should rarely miss on random rows"
+    assert path[5].item() == path[6].item() == topk_mod.PATH_TIES  # > cand ties at the threshold
+    assert counts[topk_mod.PATH_RADIX] > m // 2
+    assert counts[topk_mod.PATH_REFINED] <= 10, "pass 1 should rarely need a second read"
 
 
 def make_paged(kv, kv_scale, kv_lens, page, g):
