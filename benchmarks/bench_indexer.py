@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -56,7 +57,9 @@ def parse_args(argv=None):
                    help="install the alloc arena first (used by the child run)")
     p.add_argument("--logits-config", help="fp8 H=64 D=128 logits config: BLOCK_M,BLOCK_N,"
                    "warps,stages (portable kernel) or wgmma:stages,consumers (sm_90 kernel)")
-    p.add_argument("--topk-config", help="block,cand,warps,programs_per_sm")
+    p.add_argument("--topk-config", help="top-k config as comma-separated field=value pairs of "
+                   "TopkConfig (block, collect_block, cand, chunk, runs, run, z, stages, "
+                   "num_warps, programs_per_sm); fields left out keep the default for k")
     p.add_argument("--prompt", type=int, default=254_000)
     p.add_argument("--chunk", type=int, default=3_200)
     p.add_argument("--budget-mb", type=int, default=512)
@@ -195,12 +198,9 @@ class Bench:
         x = self.randn(self.M, self.N)
         ks = torch.zeros(self.M, dtype=torch.int32, device=self.device)
         ke = torch.full((self.M,), self.N, dtype=torch.int32, device=self.device)
-        base = topk_mod.default_config(self.K, self.device.type)
-        cands = [base]
+        cands = [topk_mod.default_config(self.K, self.device.type)]
         if not self.smoke:
-            cands += [TopkConfig(block=1024, cand=base.cand), TopkConfig(programs_per_sm=3),
-                      TopkConfig(programs_per_sm=1), TopkConfig(block=2048, cand=8192,
-                                                                num_warps=16, programs_per_sm=1)]
+            cands = topk_mod.sweep_configs(self.K)
         timings = []
         for cfg in cands:
             try:
@@ -418,8 +418,13 @@ def dtype_name(dtype) -> str:
 
 
 def topk_name(cfg: TopkConfig) -> str:
-    return (f"block {cfg.block} cand {cfg.cand} w{cfg.num_warps} "
+    return (f"b{cfg.block}/{cfg.collect_block} cand {cfg.cand} s{cfg.stages} w{cfg.num_warps} "
             f"x{cfg.programs_per_sm}/SM")
+
+
+def topk_config_text(cfg: TopkConfig) -> str:
+    """The --topk-config text that parse_topk_config turns back into cfg."""
+    return ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg))
 
 
 def logits_config_text(cfg) -> str:
@@ -436,11 +441,20 @@ def parse_logits_config(text):
     return LogitsConfig(*(int(v) for v in text.split(",")))
 
 
-def parse_topk_config(text):
+def parse_topk_config(text, k=2048):
+    """``field=value,...`` over TopkConfig's fields; the rest come from default_config(k)."""
     if not text:
         return None
-    block, cand, warps, pps = (int(v) for v in text.split(","))
-    return TopkConfig(block=block, cand=cand, num_warps=warps, programs_per_sm=pps)
+    fields = [f.name for f in dataclasses.fields(TopkConfig)]
+    values = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields or not value:
+            raise SystemExit(f"--topk-config: expected field=value with field one of "
+                             f"{', '.join(fields)}, got {item!r}")
+        values[name] = float(value) if name == "z" else int(value)
+    return dataclasses.replace(topk_mod.default_config(k), **values)
 
 
 def print_table(rows):
@@ -471,7 +485,7 @@ def main():
         for paged in (False, True):
             logits_mod.set_config(FP8, b.H, b.D, paged, fixed)
     if args.topk_config:
-        b.topk_config = parse_topk_config(args.topk_config)
+        b.topk_config = parse_topk_config(args.topk_config, b.K)
     if "ceilings" in only:
         b.ceilings()
     if "sweep" in only and not args.no_sweep:
@@ -506,7 +520,7 @@ def child_run(b: Bench) -> None:
            "--json", path, "--prompt", str(ARGS.prompt), "--chunk", str(ARGS.chunk),
            "--budget-mb", str(ARGS.budget_mb),
            "--logits-config", logits_config_text(cfg),
-           "--topk-config", f"{tk.block},{tk.cand},{tk.num_warps},{tk.programs_per_sm}"]
+           "--topk-config", topk_config_text(tk)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         b.results["prefill_arena"] = {"failed": proc.stderr[-3000:]}
