@@ -39,25 +39,26 @@ in Triton 3.6, what the H200 runs, it lowers to one warp ballot per bin-index bi
 popcount per bin owned by each lane: ~270 instructions an entry at 2048 bins, 64 of them
 popcounts, which issue at 16 a clock per SM, so one pass over 4096 x 65536 entries would take
 ~4 ms (at 64 bins it is still ~45 instructions an entry). Triton 3.9 lowers it to one
-shared-memory atomic per entry, but the kernel must be fast on 3.6. So pass 1 keeps, per
-thread, 8 byte-wide counters packed in one int64: adding ``1 << 8 bin`` is two instructions
-an entry, about 11 in all with the bin's computation, and the counters are summed across the
-threads every 15 blocks. Eight bins are coarse; the sample window is what makes them land
-around the threshold. ``tl.histogram`` is still used where few keys go through it (the
-sample and the candidate rounds).
+shared-memory atomic per entry, but the kernel must be fast on 3.6. So pass 1 counts, per
+thread, into 8 byte-wide fields of one int64: adding ``1 << 8 bin`` is two instructions an
+entry, about 12 in all with the bin's computation; the fields are widened to 16 bits once a
+block and summed across the threads once a row. Eight bins are coarse; the sample window is
+what makes them land around the threshold. ``tl.histogram`` is still used where few keys go
+through it (the sample and the candidate rounds).
 
 Why the rest looks the way it does. The previous kernel (a sample bracket, then 32-step
-bisections of block reductions) was latency-bound at 2 programs an SM. Here a row costs a
-few dozen block-wide steps, and registers (128 a thread on Triton 3.6, capped by
-``programs_per_sm``) leave room for 4 programs of 4 warps an SM, so that one program's
-serial selection overlaps the others' streaming. The passes' loads are unmasked, 16-byte
-vectors except in two edge blocks, and pipelined through shared memory (cp.async). Per
-block, what would be a block-wide scan runs as per-thread work plus one scan of a count per
-thread (which is why the list is not in index order, and why the selection breaks ties by
-index itself). When the bins lie above zero (the usual case for top-k logits) both passes
-compare the raw float bits as integers, which order the same as the keys there, and skip
-the key transform.
+bisections of block reductions) was latency-bound at 2 programs an SM. Here pass 1 has no
+step across threads until the row's end, pass 2 one scan and one sum a block, the selection
+a few dozen, and registers (128 a thread on Triton 3.6, capped by ``programs_per_sm``) leave
+room for 4 programs of 4 warps an SM, so that one program's serial selection overlaps the
+others' streaming. The passes' loads are unmasked 16-byte vectors except in two edge
+blocks, pipelined through shared memory (cp.async). Per block, what would be a block-wide
+scan runs as per-thread work plus one scan of a count per thread (which is why the list is
+not in index order, and why the selection breaks ties by index itself). When the bins lie
+above zero (the usual case for top-k logits) both passes compare the raw float bits as
+integers, which order the same as the keys there, and skip the key transform.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -179,10 +180,17 @@ def _bin_counts(b_bits, base, shift, KEYS: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
-def _fold_bins(acc):
-    """Sum byte-field counters across threads: bins j and j+4 in the halves of word j."""
-    return tl.reduce((acc & 0x000000FF000000FF, (acc >> 8) & 0x000000FF000000FF,
-                      (acc >> 16) & 0x000000FF000000FF, (acc >> 24) & 0x000000FF000000FF),
+def _widen(b_cnt):
+    """Byte-field counts (bins 0..7) as two int64 of 16-bit fields: even and odd bins."""
+    return b_cnt & 0x00FF00FF00FF00FF, (b_cnt >> 8) & 0x00FF00FF00FF00FF
+
+
+@triton.jit
+def _fold_bins(acc_e, acc_o):
+    """Sum the 16-bit-field counters across threads: word j holds bins j and j+4 in its
+    halves."""
+    return tl.reduce((acc_e & 0x0000FFFF0000FFFF, acc_o & 0x0000FFFF0000FFFF,
+                      (acc_e >> 16) & 0x0000FFFF0000FFFF, (acc_o >> 16) & 0x0000FFFF0000FFFF),
                      0, _add4)
 
 
@@ -192,30 +200,41 @@ def _hist_pass(p_base, ks, ke, base, shift, KEYS: tl.constexpr, BLOCK: tl.conste
     """Pass 1: counts of row[ks:ke] (plus the masked lanes, in bin 0) in PASS_BINS bins of
     _bin(key, base, shift). KEYS=False compares the raw bits instead of the keys (the same
     order for every bin when base >= 0). Returns int32 [PASS_BINS]."""
-    # Each thread keeps 8 byte counters in one int64: adding a shifted 1 is two instructions
-    # an entry. A thread gains 4R = BLOCK / T a block, so the counters are folded across the
-    # threads every FOLD blocks, before a byte can overflow (and once for the edge blocks).
-    FOLD: tl.constexpr = 255 * T // BLOCK
+    # A thread counts a block's entries in 8 byte-wide fields of one int64 (adding a shifted
+    # 1 is two instructions an entry; a block adds at most 4R = BLOCK / T to a field) and
+    # then adds them, even and odd bins apart, to 16-bit fields, which overflow only after
+    # FOLD blocks: the counters are summed across the threads once per FOLD blocks (once a
+    # row unless it is millions of entries long), so the pipelined loop rarely restarts.
+    FOLD: tl.constexpr = 65535 * T // BLOCK
     a, n_full, t = _main_range(ks, ke, BLOCK)
-    acc = tl.zeros([T], tl.int64)
+    acc_e = tl.zeros([T], tl.int64)
+    acc_o = tl.zeros([T], tl.int64)
     if ks < a:
         _, b_bits = _masked_bits(p_base, a - 16, ks, tl.minimum(a, ke), BLOCK)
-        acc += _bin_counts(b_bits, base, shift, KEYS, BLOCK, T)
+        w_e, w_o = _widen(_bin_counts(b_bits, base, shift, KEYS, BLOCK, T))
+        acc_e += w_e
+        acc_o += w_o
     if t < ke:
         _, b_bits = _masked_bits(p_base, t, t, ke, BLOCK)
-        acc += _bin_counts(b_bits, base, shift, KEYS, BLOCK, T)
-    t0, t1, t2, t3 = _fold_bins(acc)
+        w_e, w_o = _widen(_bin_counts(b_bits, base, shift, KEYS, BLOCK, T))
+        acc_e += w_e
+        acc_o += w_o
+    t0, t1, t2, t3 = _fold_bins(acc_e, acc_o)
     o_b = tl.arange(0, BLOCK)
     for g in range(0, n_full, FOLD):
-        acc = tl.zeros([T], tl.int64)
+        acc_e = tl.zeros([T], tl.int64)
+        acc_o = tl.zeros([T], tl.int64)
         for i in tl.range(g, tl.minimum(g + FOLD, n_full), num_stages=STAGES):
             b_bits = tl.load(p_base + (a + i * BLOCK) + o_b).to(tl.int32, bitcast=True)
-            acc += _bin_counts(b_bits, base, shift, KEYS, BLOCK, T)
-        w0, w1, w2, w3 = _fold_bins(acc)
+            w_e, w_o = _widen(_bin_counts(b_bits, base, shift, KEYS, BLOCK, T))
+            acc_e += w_e
+            acc_o += w_o
+        w0, w1, w2, w3 = _fold_bins(acc_e, acc_o)
         t0 += w0
         t1 += w1
         t2 += w2
         t3 += w3
+    # word 0: bins 0 and 4, word 1: bins 1 and 5, word 2: bins 2 and 6, word 3: 3 and 7
     j = tl.arange(0, PASS_BINS)
     j4 = j % 4
     h = tl.where(j4 == 0, t0, tl.where(j4 == 1, t1, tl.where(j4 == 2, t2, t3)))
@@ -589,7 +608,7 @@ class TopkConfig:
         if self.block // (4 * _threads(self.block, self)) > 31:
             raise ValueError(f"TopkConfig.block ({self.block}) must be at most 124 entries a "
                              f"thread ({124 * 32 * self.num_warps} at {self.num_warps} warps): "
-                             "byte-wide bin counters")
+                             "a block's bin counts are bytes")
         if self.collect_block // (4 * _threads(self.collect_block, self)) not in (1, 2, 4):
             raise ValueError(f"TopkConfig.collect_block ({self.collect_block}) must be 4, 8 or "
                              f"16 entries a thread ({128 * self.num_warps}, "
