@@ -17,6 +17,7 @@ next one is taken. Nothing else is allocated inside that scope.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,10 @@ class PrefillStats:
     logits_s: float = 0.0
     topk_s: float = 0.0
     piece_shapes: list[tuple[int, int]] = field(default_factory=list)
+    calls: list | None = None
+    """Set to a list to have each piece recorded as ``(rows, row_stride, width, logits,
+    select)``: ``logits(out=view)`` and ``select(view)`` rerun the piece's two kernels on any
+    ``[rows, width]`` view, so a benchmark can time the kernels alone, back to back."""
     _marks: list = field(default_factory=list, repr=False)
 
 
@@ -175,7 +180,13 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
                 rel = [c - cu_kv[requests.start] for c in cu_kv[requests.start:requests.stop + 1]]
                 meta.append(torch.tensor(rel, dtype=torch.int32))
                 at += len(rel)
-    meta_dev = torch.cat(meta).to(device)
+    meta_host = torch.cat(meta)
+    if device.type == "cuda":
+        # From pageable memory the copy would wait for the stream to drain, so every call
+        # would leave the GPU idle while this host code plans the next one.
+        meta_dev = meta_host.pin_memory().to(device, non_blocking=True)
+    else:
+        meta_dev = meta_host.to(device)
     ks_dev, ke_dev = meta_dev[:t_all], meta_dev[t_all:2 * t_all]
 
     scope = workspace or _arena_scope()
@@ -214,19 +225,26 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
             qp, wp, ksp, kep = q[piece], w[piece], ks_dev[piece], ke_dev[piece]
             # clean=False: the top-k reads only [ks, ke), so tiles outside it stay unwritten.
             if paged is None:
-                mqa_logits(qp, kv[c0:c0 + width], kv_scale[c0:c0 + width], wp, ksp, kep, view,
-                           clean=False, config=logits_config)
+                logits = functools.partial(mqa_logits, qp, kv[c0:c0 + width],
+                                           kv_scale[c0:c0 + width], wp, ksp, kep, clean=False,
+                                           config=logits_config)
             else:
                 at = cu_at[requests.start]
-                paged_mqa_logits(qp, paged.cache, paged.scale, wp, ksp, kep,
-                                 paged.block_table[requests], out=view,
-                                 cu_kv=meta_dev[at:at + requests.stop - requests.start + 1],
-                                 clean=False, config=logits_config)
+                logits = functools.partial(
+                    paged_mqa_logits, qp, paged.cache, paged.scale, wp, ksp, kep,
+                    paged.block_table[requests],
+                    cu_kv=meta_dev[at:at + requests.stop - requests.start + 1], clean=False,
+                    config=logits_config)
+            select = functools.partial(top_k_per_row, ks=ksp, ke=kep, k=k, out=out[piece],
+                                       scratch=scratch, config=tcfg)
+            logits(out=view)
             if timed:
                 t1 = mark()
-            top_k_per_row(view, ksp, kep, k, out[piece], scratch=scratch, config=tcfg)
+            select(view)
             if timed:
                 stats._marks.append((t0, t1, mark()))
+                if stats.calls is not None:
+                    stats.calls.append((m, stride, width, logits, select))
             # Give the block back before the next piece asks for one: at most one logits
             # buffer is alive at a time.
             del view, buf
