@@ -591,7 +591,7 @@ class TopkConfig:
     runs: int = 128
     run: int = 8
     z: float = 3.0
-    stages: int = 3
+    stages: int = 4
     num_warps: int = 4
     programs_per_sm: int = 4
 
@@ -659,7 +659,7 @@ def sweep_configs(k: int) -> list[TopkConfig]:
     base = default_config(k)
     return [base,
             replace(base, stages=2),
-            replace(base, stages=4),
+            replace(base, stages=3),
             replace(base, programs_per_sm=3),
             replace(base, collect_block=512),
             replace(base, block=1024, chunk=256),
