@@ -339,13 +339,17 @@ class Bench:
         run()
         sync()
         mem1 = memory(arena_installed, smoke)
-        walls = []
-        for _ in range(1 if smoke else 3):
-            sync()
-            t = time.perf_counter()
-            run()
-            sync()
-            walls.append(time.perf_counter() - t)
+        def median_wall(fn):
+            walls = []
+            for _ in range(1 if smoke else 3):
+                sync()
+                t = time.perf_counter()
+                fn()
+                sync()
+                walls.append(time.perf_counter() - t)
+            return statistics.median(walls), walls
+
+        wall, walls = median_wall(run)
         stats = PrefillStats(calls=[])
         sync()
         t = time.perf_counter()
@@ -353,7 +357,6 @@ class Bench:
         sync()
         wall_timed = time.perf_counter() - t
         calls = stats.calls
-        wall = statistics.median(walls)
         # The kernels alone: every piece's logits and top-k again, back to back into one
         # buffer, with no planning, allocation or host work between them. The event times
         # above split them; they cannot be subtracted from the wall, since they also count
@@ -366,14 +369,7 @@ class Bench:
                 logits(out=view)
                 select(view)
 
-        kernel_walls = []
-        for _ in range(1 if smoke else 3):
-            sync()
-            t = time.perf_counter()
-            kernels()
-            sync()
-            kernel_walls.append(time.perf_counter() - t)
-        kernels_s = statistics.median(kernel_walls)
+        kernels_s, _ = median_wall(kernels)
         del buf, calls
         other = wall - kernels_s
         tag = "prefill arena" if arena_installed else "prefill"

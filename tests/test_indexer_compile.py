@@ -37,9 +37,10 @@ TARGET = GPUTarget("cuda", 90, 32)
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
 
-def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3):
+def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3, **options):
     """Compile like a launch would: ints equal to 1 become constants and ints divisible by 16
-    carry that divisibility (Triton's default specialization), pointers are 16-byte aligned."""
+    carry that divisibility (Triton's default specialization), pointers are 16-byte aligned.
+    ``options`` go to the compiler as a launch's would (e.g. maxnreg)."""
     signature, consts, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -59,7 +60,7 @@ def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3)
     except TypeError as e:  # this Triton describes kernels differently; not a kernel bug
         pytest.skip(f"ASTSource API differs in Triton {triton.__version__}: {e}")
     return triton.compile(src, target=TARGET,
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
 
 LOGITS_POINTERS = dict(p_kv_scale="fp32", p_w="fp32", p_ks="i32", p_ke="i32", p_out="fp32",
@@ -182,23 +183,8 @@ def compile_topk(k, cfg):
                       CAND=cfg.cand, CHUNK=cfg.chunk, RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z,
                       STAGES=cfg.stages, WITH_PATH=False)
     ints = dict(M=4096, N=65536, stride_xm=65536, stride_om=k)
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = "*" + pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            signature[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    try:
-        src = ASTSource(fn, signature, constexprs, attrs)
-    except TypeError as e:  # this Triton describes kernels differently; not a kernel bug
-        pytest.skip(f"ASTSource API differs in Triton {triton.__version__}: {e}")
-    return triton.compile(src, target=TARGET, options=dict(
-        num_warps=cfg.num_warps, maxnreg=topk_mod.max_registers(cfg)))
+    return compile_kernel(fn, pointers, ints, constexprs, cfg.num_warps,
+                          maxnreg=topk_mod.max_registers(cfg))
 
 
 @pytest.mark.parametrize("k", [2048, 512])
