@@ -11,8 +11,8 @@ of the bf16 matmul rate on an H200). The portable Triton kernel below serves eve
 (other GPUs, float32, inputs the Gluon kernel cannot take, the CPU interpreter); on an H200 it
 runs at ~62% of the matmul rate, because its relus wait for each product.
 
-Tiling of the portable kernel: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x kv entries). It loads
-its kv tile once into shared memory, then loops over the heads: per head one
+Tiling of the portable kernel: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x
+kv entries). It loads its kv tile once into shared memory, then loops over the heads: per head one
 ``[BLOCK_N, D] x [D, BLOCK_M]`` tensor-core product (kv is the A operand, so it stays put in
 shared memory; q tiles stream through a ``NUM_STAGES``-deep pipeline as the B operand), whose
 relu is weighted by ``w[:, h]`` and accumulated in float32 registers. The relu sits between the
@@ -43,8 +43,8 @@ import triton.language as tl
 from . import logits_hopper as hopper
 from .logits_hopper import HopperConfig
 
-__all__ = ["LogitsConfig", "HopperConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets", "default_config",
-           "candidate_configs", "set_config", "supported_dtypes", "row_stride_elems"]
+__all__ = ["LogitsConfig", "HopperConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets",
+           "default_config", "candidate_configs", "set_config", "supported_dtypes", "row_stride_elems"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 
@@ -294,13 +294,12 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
     if m == 0 or n == 0:
         return out
     cfg = config or default_config(q.dtype, h, d, paged, q.device.type)
+    n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
     if isinstance(cfg, HopperConfig):
-        elem = q.element_size()
-        kv_rows_ok = (kv.data_ptr() % 16 == 0
-                      and all((st * elem) % 16 == 0 for st in strides_kv))
-        if hopper.usable(q, d, kv_rows_ok, cfg):
+        if hopper.usable(q, kv, strides_kv, cfg):
             return hopper.launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs,
-                                 paged, page, strides_kv, strides_sc, stride_bt, clean, cfg)
+                                 n_steps, paged, page, strides_kv, strides_sc, stride_bt, clean,
+                                 cfg)
         if config is not None:
             raise ValueError(
                 f"{cfg} needs an sm_90 GPU, bf16/fp16/fp8 inputs with D a power of two in "
@@ -314,7 +313,6 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
     if max(spans) >= 2**31:
         raise ValueError("a tile would span 2**31 elements or more; use smaller blocks")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
     _logits_kernel[grid](
         q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv,
         m, n, num_reqs, n_steps,

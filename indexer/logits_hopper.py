@@ -35,8 +35,6 @@ Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
@@ -374,17 +372,20 @@ def supports(dtype: torch.dtype, d: int, stages: int = 4, consumers: int = 2) ->
     return (stages * BLOCK_M + buffers * PART_N) * d * elem + 8 * 1024 <= _SMEM_LIMIT
 
 
-def usable(q: torch.Tensor, d: int, kv_rows_ok: bool, cfg: HopperConfig) -> bool:
+def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
+           cfg: HopperConfig) -> bool:
     """Whether the kernel can take these inputs: ``supports``, on an sm_90 device, q viewable
-    as [M, H * D] with a 16-byte aligned base and row stride (for TMA), and kv rows 16-byte
-    aligned (``kv_rows_ok``, for TMA and cp.async)."""
-    if (q.device.type != "cuda" or not kv_rows_ok
-            or not supports(q.dtype, d, cfg.stages, cfg.consumers)):
+    as [M, H * D] with a 16-byte aligned base and row stride (for TMA), and kv rows (dense, or
+    pages and slots of a cache) starting 16-byte aligned (for TMA and cp.async)."""
+    d = q.shape[2]
+    if q.device.type != "cuda" or not supports(q.dtype, d, cfg.stages, cfg.consumers):
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
+    elem = q.element_size()
     return (q.stride(1) == d and q.stride(2) == 1 and q.data_ptr() % 16 == 0
-            and (q.stride(0) * q.element_size()) % 16 == 0)
+            and (q.stride(0) * elem) % 16 == 0 and kv.data_ptr() % 16 == 0
+            and all((st * elem) % 16 == 0 for st in strides_kv))
 
 
 def layouts(dtype, d: int):
@@ -400,14 +401,10 @@ def layouts(dtype, d: int):
     return q_smem, kv_smem, kv_load, chunk
 
 
-_SMS: dict[int, int] = {}
-
-
-def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged, page,
+def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_steps, paged, page,
            strides_kv, strides_sc, stride_bt, clean, cfg: HopperConfig):
     m, h, d = q.shape
     n = out.shape[1]
-    stages = max(2, cfg.stages)
     q_smem, kv_smem, kv_load, chunk = layouts(q.dtype, d)
     q2 = q.as_strided((m, h * d), (q.stride(0), 1))
     q_desc = TensorDescriptor(q2, [m, h * d], [q.stride(0), 1], [BLOCK_M, d], q_smem)
@@ -416,17 +413,15 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged,
     else:
         kv_desc = TensorDescriptor(kv, [kv.shape[0], d], [strides_kv[0], 1], [PART_N, d],
                                    kv_smem)
-    dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if dev not in _SMS:
-        _SMS[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     maxnreg, consumer_regs, producer_regs = cfg.registers()
-    n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
-    _logits_ws_kernel[(min(tiles, _SMS[dev]),)](
-        q_desc, kv_desc, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, m, n, num_reqs, n_steps,
+    _logits_ws_kernel[(min(tiles, sms),)](
+        q_desc, kv_desc, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, m, n, num_reqs,
+        n_steps,
         strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], w.stride(0), w.stride(1),
         out.stride(0), stride_bt,
-        H=h, D=d, STAGES=stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
+        H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
         KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk, CONSUMER_REGS=consumer_regs,
         PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
     return out
