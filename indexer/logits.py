@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from . import logits_hopper as hopper
+from ._device import capability
 from .logits_hopper import HopperConfig
 
 __all__ = ["LogitsConfig", "HopperConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets",
@@ -195,8 +196,7 @@ def _key(dtype: torch.dtype, h: int, d: int, paged: bool) -> tuple:
 
 
 def _on_hopper() -> bool:
-    return (hopper.AVAILABLE and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() == (9, 0))
+    return hopper.AVAILABLE and torch.cuda.is_available() and capability() == (9, 0)
 
 
 def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,

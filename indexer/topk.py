@@ -61,11 +61,14 @@ integers, which order the same as the keys there, and skip the key transform.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from ._device import sm_count
 
 __all__ = ["TopkConfig", "top_k_per_row", "default_config", "sweep_configs", "scratch_elems",
            "max_registers"]
@@ -644,6 +647,7 @@ def max_registers(cfg: TopkConfig) -> int:
     return min(255, 65536 // (32 * cfg.num_warps * cfg.programs_per_sm) // 8 * 8)
 
 
+@functools.cache  # called per prefill; the config is frozen, so one shared object is safe
 def default_config(k: int, device: str = "cuda") -> TopkConfig:
     kp = triton.next_power_of_2(max(k, 1))
     if device == "cpu":
@@ -671,8 +675,18 @@ def sweep_configs(k: int) -> list[TopkConfig]:
 def _grid_size(m: int, device: torch.device, cfg: TopkConfig) -> int:
     if device.type == "cpu":
         return max(1, min(m, 3))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(m, sms * cfg.programs_per_sm))
+    return max(1, min(m, sm_count(device) * cfg.programs_per_sm))
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_constants(cfg: TopkConfig, k: int) -> dict:
+    # Once per (config, k), not once per call: a prefill calls top_k_per_row for every piece.
+    # A config that fails validation raises and is not cached.
+    cfg.validate(k)
+    return {"K": k, "BLOCK": cfg.block, "T": _threads(cfg.block, cfg),
+            "BLOCK2": cfg.collect_block, "T2": _threads(cfg.collect_block, cfg),
+            "CAND": cfg.cand, "CHUNK": cfg.chunk, "RUNS": cfg.runs, "RUN": cfg.run, "Z": cfg.z,
+            "STAGES": cfg.stages, "num_warps": cfg.num_warps, "maxnreg": max_registers(cfg)}
 
 
 def scratch_elems(m: int, device: torch.device, cfg: TopkConfig) -> int:
@@ -709,7 +723,7 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
             raise ValueError(f"{name} must be contiguous int32 [{m}], got {t.dtype} "
                              f"{tuple(t.shape)}")
     cfg = config or default_config(k, logits.device.type)
-    cfg.validate(k)
+    consts = _launch_constants(cfg, k)
     if out is None:
         out = torch.empty((m, k), dtype=torch.int32, device=logits.device)
     if out.shape != (m, k) or out.dtype != torch.int32 or (m > 0 and out.stride(1) != 1):
@@ -728,9 +742,6 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
     pairs = scratch.narrow(0, 0, need).view(torch.int64)
     _topk_kernel[(grid,)](
         logits, ks, ke, out, pairs, path, m, n, logits.stride(0), out.stride(0),
-        K=k, BLOCK=cfg.block, T=_threads(cfg.block, cfg), BLOCK2=cfg.collect_block,
-        T2=_threads(cfg.collect_block, cfg), CAND=cfg.cand, CHUNK=cfg.chunk, RUNS=cfg.runs,
-        RUN=cfg.run, Z=cfg.z, STAGES=cfg.stages, WITH_PATH=return_path,
-        num_warps=cfg.num_warps, maxnreg=max_registers(cfg),
+        WITH_PATH=return_path, **consts,
     )
     return (out, path) if return_path else out
