@@ -216,7 +216,7 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
         # with a deeper q ring keeps the tensor cores fed through the relus.
         for cfg in ((HopperConfig(3),) if dtype != _FP8 else
                     (HopperConfig(6, 3), HopperConfig(4))):
-            if hopper.supports(dtype, d, cfg.stages, cfg.consumers):
+            if hopper.supports(dtype, d, cfg):
                 return cfg
     return _portable_default(dtype, d)
 
@@ -246,7 +246,7 @@ def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig | HopperC
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
     ws = ([c for c in (HopperConfig(3), HopperConfig(4), HopperConfig(4, 3), HopperConfig(6, 3),
                        HopperConfig(8, 3))
-           if hopper.supports(dtype, d, c.stages, c.consumers)] if _on_hopper() else [])
+           if hopper.supports(dtype, d, c)] if _on_hopper() else [])
     return ws + [c for c in _CANDIDATES
                  if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]
 

@@ -35,8 +35,12 @@ Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
+
+from ._device import capability, sm_count
 
 try:
     from triton.experimental import gluon
@@ -271,16 +275,16 @@ if AVAILABLE:
             kv_t = kv_smem.index(b * NCP + PART).permute((1, 0))
             o_m = (t // num_n) * BM + gl.arange(0, BM, layout=ROWS)
             m_m = o_m < M
-            p_w_rows = p_w + o_m.to(gl.int64) * stride_wm
-            b_w = gl.load(p_w_rows, mask=m_m, other=0.0)
+            # Rows past M read row M - 1 (never stored): unmasked loads keep the loop short.
+            p_w_rows = p_w + gl.minimum(o_m, M - 1).to(gl.int64) * stride_wm
+            b_w = gl.load(p_w_rows)
             acc = gl.zeros([BM, PN], gl.float32, MMA)
             for h in range(H):
                 st = s % STAGES
                 mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
                 b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=False)
                 mbarrier.arrive(q_empty.index(st), count=1)
-                b_w_next = gl.load(p_w_rows + (h + 1) * stride_wh, mask=m_m & (h + 1 < H),
-                                   other=0.0)
+                b_w_next = gl.load(p_w_rows + gl.minimum(h + 1, H - 1) * stride_wh)
                 acc += gl.maximum(b_s, 0.0) * b_w[:, None]
                 b_w = b_w_next
                 s += 1
@@ -362,14 +366,14 @@ if AVAILABLE:
 _SMEM_LIMIT = 227 * 1024
 
 
-def supports(dtype: torch.dtype, d: int, stages: int = 4, consumers: int = 2) -> bool:
+def supports(dtype: torch.dtype, d: int, cfg: HopperConfig) -> bool:
     """Whether the kernel exists for this dtype and head size: 16-bit or fp8, D a power of two
     from 32, with the q ring and both tiles' kv buffers in shared memory."""
     if not AVAILABLE or dtype not in _GL_DTYPE or d < 32 or d & (d - 1):
         return False
     elem = 1 if dtype == _FP8 else 2
-    buffers = 2 * (2 if consumers <= 2 else 4)
-    return (stages * BLOCK_M + buffers * PART_N) * d * elem + 8 * 1024 <= _SMEM_LIMIT
+    buffers = 2 * (2 if cfg.consumers <= 2 else 4)
+    return (cfg.stages * BLOCK_M + buffers * PART_N) * d * elem + 8 * 1024 <= _SMEM_LIMIT
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
@@ -378,9 +382,9 @@ def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
     as [M, H * D] with a 16-byte aligned base and row stride (for TMA), and kv rows (dense, or
     pages and slots of a cache) starting 16-byte aligned (for TMA and cp.async)."""
     d = q.shape[2]
-    if q.device.type != "cuda" or not supports(q.dtype, d, cfg.stages, cfg.consumers):
+    if q.device.type != "cuda" or not supports(q.dtype, d, cfg):
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
+    if capability(q.device) != (9, 0):
         return False
     elem = q.element_size()
     return (q.stride(1) == d and q.stride(2) == 1 and q.data_ptr() % 16 == 0
@@ -388,6 +392,7 @@ def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
             and all((st * elem) % 16 == 0 for st in strides_kv))
 
 
+@functools.lru_cache(maxsize=None)
 def layouts(dtype, d: int):
     """Shared layouts (q tile, a consumer's kv rows) and the producer warp's paged copy: rows
     per chunk (eight 16-byte copies a thread) and its layout."""
@@ -413,7 +418,7 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     else:
         kv_desc = TensorDescriptor(kv, [kv.shape[0], d], [strides_kv[0], 1], [PART_N, d],
                                    kv_smem)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = sm_count(q.device)
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     _logits_ws_kernel[(min(tiles, sms),)](

@@ -190,10 +190,15 @@ def need_hopper():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("h,d", [(64, 128), (32, 64), (16, 32), (8, 128)])
-def test_hopper_kernel_matches_portable_and_reference(dtype, h, d):
-    """The warp-specialized sm_90 kernel against the portable kernel and the exact-input
-    reference, at odd M and N (partial tiles), on ragged rows, clean and not, dense and paged."""
+@pytest.mark.parametrize("shape", [(3, 2), (6, 3)], ids=["2-consumers", "3-consumers"])
+def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
+    """The warp-specialized sm_90 kernel (stages, consumers) against the portable kernel
+    and the exact-input reference, at odd M and N (partial tiles), on ragged rows, clean and
+    not, dense and paged."""
     need_hopper()
+    ws = logits_mod.HopperConfig(*shape)
+    if not logits_mod.hopper.supports(dtype, d, ws):
+        pytest.skip(f"{ws} does not fit shared memory at {dtype}, D={d}")
     m, n, ratio, page = 1000, 3001, 2, 16
     g = gen(100 + h + d)
     q, kv, row_scale = quantize(torch.randn(m, h, d, generator=g, device="cuda"),
@@ -201,7 +206,6 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d):
     kv_scale = (row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)).float()
     w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
     ks, ke = ragged_rows(m, n, g)
-    ws = logits_mod.HopperConfig(stages=3)
     portable = logits_mod.LogitsConfig(64, 128, 4, 3)
     buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
     out = buf[:, :n]
@@ -211,7 +215,8 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d):
     assert buf[:, n:].isnan().all(), "written beyond column N"
     assert torch.equal(torch.isinf(out), torch.isinf(exact)), "-inf exactly outside [ks, ke)"
     err_portable, err_exact = rel_err(out, want.double()), rel_err(out, exact)
-    report(test="hopper kernel", dtype=str(dtype), H=h, D=d, rel_err_portable=err_portable,
+    report(test="hopper kernel", config=repr(ws), dtype=str(dtype), H=h, D=d,
+           rel_err_portable=err_portable,
            rel_err_exact=err_exact)
     assert err_portable < 1e-5 and err_exact < EXACT_TOL[dtype]
 
