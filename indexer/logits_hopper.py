@@ -275,16 +275,16 @@ if AVAILABLE:
             kv_t = kv_smem.index(b * NCP + PART).permute((1, 0))
             o_m = (t // num_n) * BM + gl.arange(0, BM, layout=ROWS)
             m_m = o_m < M
-            # Rows past M read row M - 1 (never stored): unmasked loads keep the loop short.
-            p_w_rows = p_w + gl.minimum(o_m, M - 1).to(gl.int64) * stride_wm
-            b_w = gl.load(p_w_rows)
+            p_w_rows = p_w + o_m.to(gl.int64) * stride_wm
+            b_w = gl.load(p_w_rows, mask=m_m, other=0.0)
             acc = gl.zeros([BM, PN], gl.float32, MMA)
             for h in range(H):
                 st = s % STAGES
                 mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
                 b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=False)
                 mbarrier.arrive(q_empty.index(st), count=1)
-                b_w_next = gl.load(p_w_rows + gl.minimum(h + 1, H - 1) * stride_wh)
+                b_w_next = gl.load(p_w_rows + (h + 1) * stride_wh, mask=m_m & (h + 1 < H),
+                                   other=0.0)
                 acc += gl.maximum(b_s, 0.0) * b_w[:, None]
                 b_w = b_w_next
                 s += 1
