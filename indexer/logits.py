@@ -45,7 +45,8 @@ from ._device import capability
 from .logits_hopper import HopperConfig
 
 __all__ = ["LogitsConfig", "HopperConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets",
-           "default_config", "candidate_configs", "set_config", "supported_dtypes", "row_stride_elems"]
+           "default_config", "candidate_configs", "set_config", "supported_dtypes",
+           "row_stride_elems"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 
