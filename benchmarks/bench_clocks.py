@@ -176,7 +176,7 @@ def main() -> None:
         table.add_row(r["dtype"], r["case"], f"{r['tflops']:.1f}", f"{r['of_ceiling']:.3f}",
                       f"{r['sm_mhz']:.0f}", f"{r['watts']:.0f}", f"{r['power_capped']:.0%}",
                       f"{r['tflops_per_ghz']:.1f}", f"{r['per_cycle_of_ceiling']:.3f}")
-    Console().print(table)
+    Console(width=160).print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -17,8 +17,9 @@ Prints one table and writes it as JSON:
 - one indexer layer's chunked prefill of a 254,000-token prompt in 3,200-token chunks (fp8,
   compress ratio 4, logits budget 512 MiB): wall time; logits and top-k device time (CUDA
   events); "everything else" = wall minus the same kernels replayed alone back to back (goal:
-  < 5%); pieces and device memory — with PyTorch's caching allocator here, and,
-  when the alloc extension is built, again in a child process with the arena installed.
+  < 5%); the host time a prefill call takes; pieces and device memory — with PyTorch's caching
+  allocator here, and, when the alloc extension is built, again in a child process with the
+  arena installed.
 
 Before the table, a sweep times the candidate tile configs of both kernels at the benchmark
 shape; the table uses the fastest (``--no-sweep``: the built-in defaults). All timings are
@@ -316,14 +317,18 @@ class Bench:
         tcfg = getattr(self, "topk_config", None)
         scope = None if alloc_importable() else contextlib.nullcontext
 
+        host_s = []
+
         def run(stats=None):
             for t0 in range(0, prompt, chunk):
                 ql = min(chunk, prompt - t0)
                 seq = t0 + ql
+                t = time.perf_counter()
                 prefill_topk(q_all[t0:seq], w_all[t0:seq], [ql], [seq],
                              kv=kv_all[:seq // ratio], kv_scale=scale_all[:seq // ratio], k=k,
                              max_logits_bytes=budget, compress_ratio=ratio, out=out[:ql],
                              stats=stats, topk_config=tcfg, workspace=scope)
+                host_s.append(time.perf_counter() - t)
 
         def sync():
             if not smoke:
@@ -349,7 +354,11 @@ class Bench:
                 walls.append(time.perf_counter() - t)
             return statistics.median(walls), walls
 
+        host_s.clear()
         wall, walls = median_wall(run)
+        # Host time a call: planning, ks/ke, allocation and launches (the calls do not wait for
+        # the GPU). Where it exceeds a call's GPU time the GPU idles.
+        host_per_call = statistics.median(host_s)
         stats = PrefillStats(calls=[])
         sync()
         t = time.perf_counter()
@@ -377,7 +386,7 @@ class Bench:
                    dtype=dtype_name(dtype), wall_s=wall, walls_s=walls,
                    instrumented_wall_s=wall_timed, logits_s=stats.logits_s,
                    topk_s=stats.topk_s, kernels_s=kernels_s, else_s=other,
-                   else_fraction=other / wall,
+                   else_fraction=other / wall, host_per_call_s=host_per_call,
                    pieces=stats.pieces, max_piece_bytes=stats.max_piece_bytes,
                    arena_installed=arena_installed, memory_before=mem0, memory_after=mem1)
         self.row(tag, f"{prompt} tokens / {chunk}: wall", wall * 1e3, "ms")
@@ -388,6 +397,7 @@ class Bench:
                  kernels_s / wall)
         self.row(tag, "everything else (wall - kernels)", other * 1e3, "ms", "of wall",
                  other / wall, "< 5%", other / wall < 0.05)
+        self.row(tag, "host time a call (median)", host_per_call * 1e3, "ms")
         self.row(tag, f"pieces (max {stats.max_piece_bytes / 2**20:.1f} MiB)", stats.pieces,
                  "pieces")
         if not smoke:
