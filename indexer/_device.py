@@ -1,8 +1,7 @@
 """Per-device facts the launchers need on every call, read once per device.
 
 ``torch.cuda.get_device_properties`` and ``get_device_capability`` resolve the device index in
-Python on each call (~20 us a call in a cProfile on the H200 host), and a prefill asks several
-times per piece.
+Python on every call, and a prefill asks several times a piece.
 """
 
 from __future__ import annotations
