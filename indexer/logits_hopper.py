@@ -18,16 +18,29 @@ hide them were tried on sm_90:
 
 Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output tiles):
 
-* a producer warp: copies each tile's 256 kv rows and scales into one of two buffers with
-  ``cp.async`` (dense rows, or rows found through the block table), and streams q tiles
-  (``64 x D``, one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``;
+* a producer warp: brings each tile's kv rows (128 per consumer) into one of two buffers, by
+  TMA (dense kv) or by ``cp.async`` through the block table (paged kv), with their scales by
+  ``cp.async``; and streams q tiles (``64 x D``, one head) through a ``STAGES``-deep TMA ring
+  over q viewed as ``[M, H * D]``;
 * two or three consumer warpgroups (``HopperConfig.consumers``), each owning 128 of the
   tile's columns: per head, wait for the q tile, one ``64 x 128 x D`` wgmma, release the q
   tile, relu, weight, accumulate. All read the same q tile from shared memory, so each q byte
   fetched from L2 feeds 256 or 384 columns. fp8 products take half as long as bf16 ones, so
   two consumers' relus no longer fit under each other's products; a third keeps the tensor
-  cores fed (at the price of a few spilled registers: four warpgroups share the register
-  file).
+  cores fed (four warpgroups then share the register file; the few registers that spill are
+  outside the product loop).
+
+What limits fp8 (an H200, ``benchmarks/RESULTS.md``): at the board's power limit the kernel
+runs at a higher clock than ``torch._scaled_mm`` and does 0.72 of its work per cycle; no unit
+is saturated (shared-memory pipe about 65%, issue 50%), and the consumers' samples split
+between the barrier before each q-stage release, waits for wgmma results, and the relu and
+weight instructions. Variants that did not help: two consumers of 256 columns each holding the
+q tile in registers (a fifth less shared-memory traffic, but each consumer's relus then wait
+on its own products: slower), two heads per q stage (half the barriers: no faster), loads of w
+without a mask (slower). Not yet tried: kv as the register-held operand (``S^T = kv q_h^T``),
+a third less shared-memory traffic per FLOP and room for four consumers, at the price of a w
+value per column instead of per row; and the relu as two FMAs (``s * w/2 + |s| * w/2``, the
+absolute value an operand modifier), which moves the max off the ALU pipe.
 
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
 ``clean``). All partitions walk the same tile sequence (each decides activity itself).
