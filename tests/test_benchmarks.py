@@ -1,0 +1,54 @@
+"""The GPU benchmarks' host-side parts, on the CPU: the indexer benchmark end to end at toy sizes
+(its --smoke mode, under the Triton interpreter) and the clock benchmark's reading of nvidia-smi
+samples. Their figures mean nothing here; what is checked is that the programs run and report
+what RESULTS.md quotes from them."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_indexer_smoke_reports_every_section(tmp_path):
+    pytest.importorskip("triton")
+    out = tmp_path / "indexer.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_indexer.py"),
+                           "--smoke", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {"ceiling_tflops", "prefill", "table"} <= set(res)
+    prefill = res["prefill"]
+    assert prefill["pieces"] == 5 and prefill["host_per_call_s"] > 0
+    assert prefill["max_piece_bytes"] <= prefill["budget_bytes"]
+    cases = {(r["section"], r["case"]): r for r in res["table"]}
+    identical = [r for (section, case), r in cases.items()
+                 if section.startswith("topk") and case.endswith("identical sets / exact rows")]
+    assert len(identical) == 2 and all(r["value"] == 1.0 for r in identical)
+    assert ("prefill", "host time a call (median)") in cases
+
+
+def _bench_clocks():
+    pytest.importorskip("rich")
+    spec = importlib.util.spec_from_file_location("bench_clocks",
+                                                  ROOT / "benchmarks" / "bench_clocks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_clocks_reads_nvidia_smi_samples(tmp_path):
+    clocks = _bench_clocks()
+    log = tmp_path / "smi.csv"
+    log.write_text("2026/11/30 15:00:55.006, 1515 MHz, 691.74 W, 0x0000000000000004\n"
+                   "2026/11/30 15:00:55.606, [N/A], 689.91 W, 0x0000000000000004\n"
+                   "2026/11/30 15:00:58.613, 1980 MHz, 164.01 W, 0x0000000000000000\n")
+    samples = clocks.read_samples(log)
+    assert [(mhz, watts, reasons) for _t, mhz, watts, reasons in samples] == [
+        (1515.0, 691.74, 4), (1980.0, 164.01, 0)]
+    assert samples[1][0] - samples[0][0] == pytest.approx(3.607, abs=1e-6)
