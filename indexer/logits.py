@@ -214,9 +214,13 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
     if _on_hopper():
         # Measured on an H200 (benchmarks/RESULTS.md): bf16 is fastest with two consumer
         # warpgroups and 3 q stages; fp8's products take half as long, and a third consumer
-        # with a deeper q ring keeps the tensor cores fed through the relus.
+        # with a deeper q ring keeps the tensor cores fed through the relus. From 32 heads
+        # up, fp8 is faster still with the linear half of the relus as three more products
+        # a tile (one instruction a head and element less); at 16 heads those products cost
+        # more than they save.
+        linear = 3 if dtype == _FP8 and h >= 32 else 0
         for cfg in ((HopperConfig(3),) if dtype != _FP8 else
-                    (HopperConfig(6, 3), HopperConfig(4))):
+                    (HopperConfig(6, 3, linear), HopperConfig(4, 2, linear))):
             if hopper.supports(dtype, d, cfg):
                 return cfg
     return _portable_default(dtype, d)
@@ -245,8 +249,9 @@ def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig | HopperC
     """Configs worth timing on a Hopper GPU: the warp-specialized kernel's q pipeline depths
     (on sm_90) and the portable kernel's tiles, those that fit in shared memory."""
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
-    ws = ([c for c in (HopperConfig(3), HopperConfig(4), HopperConfig(4, 3), HopperConfig(6, 3),
-                       HopperConfig(8, 3))
+    shapes = [(3, 2), (4, 2), (4, 3), (6, 3), (8, 3)]
+    ws = ([c for c in [HopperConfig(*sc) for sc in shapes] +
+           [HopperConfig(*sc, linear_terms=3) for sc in shapes[2:]]
            if hopper.supports(dtype, d, c)] if _on_hopper() else [])
     return ws + [c for c in _CANDIDATES
                  if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]

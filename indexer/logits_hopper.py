@@ -54,6 +54,7 @@ import torch
 import triton
 
 from ._device import capability, sm_count
+from .weighted_q import split_weighted_q
 
 try:
     from triton.experimental import gluon
@@ -79,17 +80,25 @@ if AVAILABLE:
 
 class HopperConfig:
     """``stages``: q tiles (one head each) in flight between the producer and consumers;
-    ``consumers``: consumer warpgroups (2 or 3), each owning 128 of the tile's columns."""
+    ``consumers``: consumer warpgroups (2 or 3), each owning 128 of the tile's columns;
+    ``linear_terms``: 0 for a relu per head and element; k > 0 to take the linear half of the
+    relus, ``q_w . kv / 2``, as k tensor-core products of the parts of ``weighted_q`` (one
+    ``FFMA`` a head and element instead of an ``FMNMX`` and an ``FFMA``, for k more products
+    a tile; the logits then differ from the per-head form by about 2^-(mantissa bits * k)
+    of q_w's size, see ``weighted_q``)."""
 
-    __slots__ = ("stages", "consumers")
+    __slots__ = ("stages", "consumers", "linear_terms")
 
-    def __init__(self, stages: int = 4, consumers: int = 2):
+    def __init__(self, stages: int = 4, consumers: int = 2, linear_terms: int = 0):
         if stages < 2:
             raise ValueError(f"HopperConfig.stages must be >= 2, got {stages}")
         if consumers not in (2, 3):
             raise ValueError(f"HopperConfig.consumers must be 2 or 3, got {consumers}")
+        if linear_terms not in range(5):
+            raise ValueError(f"HopperConfig.linear_terms must be 0 to 4, got {linear_terms}")
         self.stages = stages
         self.consumers = consumers
+        self.linear_terms = linear_terms
 
     @property
     def block_n(self) -> int:
@@ -106,7 +115,8 @@ class HopperConfig:
         return maxnreg, consumer, producer
 
     def __repr__(self) -> str:
-        return f"wgmma 64x{self.block_n} s{self.stages}"
+        lin = f" linear{self.linear_terms}" if self.linear_terms else ""
+        return f"wgmma 64x{self.block_n} s{self.stages}{lin}"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, HopperConfig) and self._key() == other._key()
@@ -115,7 +125,7 @@ class HopperConfig:
         return hash(self._key())
 
     def _key(self) -> tuple:
-        return (self.stages, self.consumers)
+        return (self.stages, self.consumers, self.linear_terms)
 
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -198,12 +208,12 @@ if AVAILABLE:
         return b_page, b_slot, m_r
 
     @gluon.jit
-    def _producer(q_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
+    def _producer(q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
                   kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks, p_ke, M,
                   N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
                   stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
                   STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
-                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr):
+                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, TERMS: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         PN: gl.constexpr = kv_smem.type.shape[1]
         BN: gl.constexpr = NC * PN
@@ -244,6 +254,14 @@ if AVAILABLE:
                     _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
                               kv_smem.index(b * NCP + c))
             m_0 = (t // num_n) * BM
+            # The parts of the weighted q first (when the linear half is taken apart), then
+            # the heads, all through the one ring.
+            for k in gl.static_range(TERMS):
+                st = s % STAGES
+                mbarrier.wait(q_empty.index(st), ((s // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_full.index(st), qw_desc.block_type.nbytes)
+                _TMA_LOAD(qw_desc, [m_0, k * D], q_full.index(st), q_smem.index(st))
+                s += 1
             for h in range(H):
                 st = s % STAGES
                 mbarrier.wait(q_empty.index(st), ((s // STAGES) & 1) ^ 1)
@@ -256,8 +274,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _consumer(q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w, p_ks,
-                  p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H: gl.constexpr,
-                  NC: gl.constexpr, PART: gl.constexpr, CLEAN: gl.constexpr):
+                  p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh, stride_om,
+                  H: gl.constexpr, NC: gl.constexpr, PART: gl.constexpr, CLEAN: gl.constexpr,
+                  TERMS: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -291,6 +310,25 @@ if AVAILABLE:
             p_w_rows = p_w + o_m.to(gl.int64) * stride_wm
             b_w = gl.load(p_w_rows, mask=m_m, other=0.0)
             acc = gl.zeros([BM, PN], gl.float32, MMA)
+            if TERMS > 0:
+                # The linear half, row_scale * (sum_k part_k . kv) / 2. The first part's
+                # product and the later parts' are summed apart, in float32: fp8 products
+                # accumulate in reduced precision relative to the running sum, so in one sum
+                # with the first part the later, smaller parts would lose their low bits.
+                for k in gl.static_range(TERMS):
+                    st = s % STAGES
+                    mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
+                    if k == 0:
+                        acc = warpgroup_mma(q_smem.index(st), kv_t, acc, use_acc=False)
+                    else:
+                        b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=k > 1)
+                    mbarrier.arrive(q_empty.index(st), count=1)
+                    s += 1
+                if TERMS > 1:
+                    acc += b_s
+                b_half = gl.load(p_row_scale + o_m, mask=m_m, other=0.0) * 0.5
+                acc = acc * b_half[:, None]
+                b_w = b_w * 0.5
             for h in range(H):
                 st = s % STAGES
                 mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
@@ -298,8 +336,13 @@ if AVAILABLE:
                 mbarrier.arrive(q_empty.index(st), count=1)
                 b_w_next = gl.load(p_w_rows + (h + 1) * stride_wh, mask=m_m & (h + 1 < H),
                                    other=0.0)
-                acc += gl.maximum(b_s, 0.0) * b_w[:, None]
-                b_w = b_w_next
+                if TERMS > 0:
+                    # relu(s) * w = s * w/2 + |s| * w/2; the first half is in acc already.
+                    acc += gl.abs(b_s) * b_w[:, None]
+                    b_w = b_w_next * 0.5
+                else:
+                    acc += gl.maximum(b_s, 0.0) * b_w[:, None]
+                    b_w = b_w_next
                 s += 1
             o_n = (t % num_n) * BN + PART * PN + gl.arange(0, PN, layout=COLS)
             b_scale = sc_smem.index(b * NCP + PART).load(COLS)
@@ -315,15 +358,15 @@ if AVAILABLE:
             j += 1
 
     @gluon.jit
-    def _logits_ws_kernel(q_desc, kv_desc, p_kv, p_kv_scale, p_w, p_ks, p_ke, p_out,
-                          p_block_table, p_cu_kv, M, N, num_reqs, n_steps,
+    def _logits_ws_kernel(q_desc, qw_desc, kv_desc, p_kv, p_kv_scale, p_w, p_ks, p_ke, p_out,
+                          p_row_scale, p_block_table, p_cu_kv, M, N, num_reqs, n_steps,
                           stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
                           stride_wm, stride_wh, stride_om, stride_bt,
                           H: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                           NC: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
                           CLEAN: gl.constexpr, KV_SMEM: gl.constexpr, KV_LOAD: gl.constexpr,
                           CHUNK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, TERMS: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         PN: gl.constexpr = 128
         NCP: gl.constexpr = 2 if NC <= 2 else 4          # buffers per tile, a power of two
@@ -346,33 +389,40 @@ if AVAILABLE:
         if NC == 2:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
-                             gl.constexpr(0), CLEAN)),
+                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
+                             stride_om, H, NC,
+                             gl.constexpr(0), CLEAN, TERMS)),
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
-                             gl.constexpr(1), CLEAN)),
-                (_producer, (q_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
+                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
+                             stride_om, H, NC,
+                             gl.constexpr(1), CLEAN, TERMS)),
+                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full,
+                             q_empty,
                              kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks,
                              p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
                              stride_sc_0, stride_sc_1, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
-                             CHUNK, KV_LOAD)),
+                             CHUNK, KV_LOAD, TERMS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
-                             gl.constexpr(0), CLEAN)),
+                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
+                             stride_om, H, NC,
+                             gl.constexpr(0), CLEAN, TERMS)),
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
-                             gl.constexpr(1), CLEAN)),
+                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
+                             stride_om, H, NC,
+                             gl.constexpr(1), CLEAN, TERMS)),
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, M, N, stride_wm, stride_wh, stride_om, H, NC,
-                             gl.constexpr(2), CLEAN)),
-                (_producer, (q_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
+                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
+                             stride_om, H, NC,
+                             gl.constexpr(2), CLEAN, TERMS)),
+                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full,
+                             q_empty,
                              kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks,
                              p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
                              stride_sc_0, stride_sc_1, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
-                             CHUNK, KV_LOAD)),
+                             CHUNK, KV_LOAD, TERMS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -426,6 +476,13 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     q_smem, kv_smem, kv_load, chunk = layouts(q.dtype, d)
     q2 = q.as_strided((m, h * d), (q.stride(0), 1))
     q_desc = TensorDescriptor(q2, [m, h * d], [q.stride(0), 1], [BLOCK_M, d], q_smem)
+    terms = cfg.linear_terms
+    if terms:
+        parts, row_scale = split_weighted_q(q, w, terms)
+        qw_desc = TensorDescriptor(parts, [m, terms * d], [parts.stride(0), 1], [BLOCK_M, d],
+                                   q_smem)
+    else:
+        qw_desc, row_scale = q_desc, w          # unused
     if paged:
         kv_desc = q_desc          # unused: paged rows are gathered with cp.async
     else:
@@ -435,11 +492,12 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     _logits_ws_kernel[(min(tiles, sms),)](
-        q_desc, kv_desc, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, m, n, num_reqs,
+        q_desc, qw_desc, kv_desc, kv, kv_scale, w, ks, ke, out, row_scale, block_table, cu_kv,
+        m, n, num_reqs,
         n_steps,
         strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], w.stride(0), w.stride(1),
         out.stride(0), stride_bt,
         H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
         KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, num_warps=4, maxnreg=maxnreg)
+        PRODUCER_REGS=producer_regs, TERMS=terms, num_warps=4, maxnreg=maxnreg)
     return out

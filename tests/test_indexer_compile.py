@@ -98,8 +98,8 @@ def resources(kernel) -> dict:
 
 
 def product_loops(kernel) -> list[list[str]]:
-    """The SASS of each innermost loop that runs a wgmma and the relus after it (a backward
-    branch whose body holds GMMA and FMNMX and no other backward branch)."""
+    """The SASS of each innermost loop that runs a wgmma and the weighted relus after it (a
+    backward branch whose body holds GMMA and FFMA and no other backward branch)."""
     ins = [(int(a, 16), op.strip()) for a, op in
            re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "-sass"))]
     at = {a: i for i, (a, _) in enumerate(ins)}
@@ -110,7 +110,7 @@ def product_loops(kernel) -> list[list[str]]:
     for lo, hi in backward:
         body = [op for _, op in ins[lo:hi + 1]]
         nested = any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in backward)
-        if not nested and any("GMMA" in op for op in body) and any("FMNMX" in op for op in body):
+        if not nested and any("GMMA" in op for op in body) and any("FFMA" in op for op in body):
             loops.append(body)
     return loops
 
@@ -154,13 +154,14 @@ def compile_hopper_kernel(dtype, d, h, paged, cfg):
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     consts = dict(H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=64,
                   CLEAN=True, KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk,
-                  CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs)
-    pointers = dict(LOGITS_POINTERS, p_kv=t)
+                  CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                  TERMS=cfg.linear_terms)
+    pointers = dict(LOGITS_POINTERS, p_kv=t, p_row_scale="fp32")
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
-        elif name == "q_desc" or (name == "kv_desc" and paged):
+        elif name in ("q_desc", "qw_desc") or (name == "kv_desc" and paged):
             signature[name] = f"tensordesc<{t}[{hopper.BLOCK_M}, {d}],{q_smem!r}>"
         elif name == "kv_desc":
             signature[name] = f"tensordesc<{t}[{hopper.PART_N}, {d}],{kv_smem!r}>"
@@ -177,16 +178,20 @@ def compile_hopper_kernel(dtype, d, h, paged, cfg):
 
 
 # The configs the defaults and the sweep choose from: their product loops must hold no spill
-# loads or stores (elsewhere a few do no harm).
-@pytest.mark.parametrize("dtype,consumers", [(torch.bfloat16, 2), (torch.float8_e4m3fn, 2),
-                                             (torch.float8_e4m3fn, 3)])
+# loads or stores (elsewhere a few do no harm). With the linear half taken apart, a head costs
+# one FFMA an element and no FMNMX.
+@pytest.mark.parametrize("dtype,consumers,linear", [
+    (torch.bfloat16, 2, 0), (torch.float8_e4m3fn, 2, 0), (torch.float8_e4m3fn, 3, 0),
+    (torch.float8_e4m3fn, 3, 3), (torch.float8_e4m3fn, 2, 3)])
 @pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_hopper_logits_kernel_compiles_with_partitions_and_wgmma(dtype, consumers, d, paged):
+def test_hopper_logits_kernel_compiles_with_partitions_and_wgmma(dtype, consumers, linear, d,
+                                                                 paged):
     from indexer import logits_hopper as hopper
     if not hopper.AVAILABLE:
         pytest.skip("this Triton has no Gluon")
-    kernel = compile_hopper_kernel(dtype, d, 64, paged, hopper.HopperConfig(4, consumers))
+    kernel = compile_hopper_kernel(dtype, d, 64, paged,
+                                   hopper.HopperConfig(4, consumers, linear))
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "setmaxnreg" in ptx, "expected wgmma in partitions"
     assert kernel.metadata.shared <= 227 * 1024
@@ -196,6 +201,10 @@ def test_hopper_logits_kernel_compiles_with_partitions_and_wgmma(dtype, consumer
     for body in loops:
         found = sum(bool(re.search(r"\b(LDL|STL)\b", op)) for op in body)
         assert found == 0, f"{found} spill loads/stores in a product loop ({resources(kernel)})"
+        ops = " ".join(body)
+        # 64 x 128 accumulator elements over 128 threads: 64 a thread and head
+        assert ops.count("FFMA") == 64
+        assert ops.count("FMNMX") == (0 if linear else 64)
 
 
 def compile_topk(k, cfg):

@@ -190,11 +190,15 @@ def need_hopper():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("h,d", [(64, 128), (32, 64), (16, 32), (8, 128)])
-@pytest.mark.parametrize("shape", [(3, 2), (6, 3)], ids=["2-consumers", "3-consumers"])
+@pytest.mark.parametrize("shape", [(3, 2), (6, 3), (3, 2, 2), (6, 3, 3)],
+                         ids=["2-consumers", "3-consumers", "2-consumers-linear2",
+                              "3-consumers-linear3"])
 def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
-    """The warp-specialized sm_90 kernel (stages, consumers) against the portable kernel
-    and the exact-input reference, at odd M and N (partial tiles), on ragged rows, clean and
-    not, dense and paged."""
+    """The warp-specialized sm_90 kernel (stages, consumers, linear terms) against the
+    portable kernel and the exact-input reference, at odd M and N (partial tiles), on ragged
+    rows, clean and not, dense and paged. With the linear half taken apart, the logits may
+    differ from the portable kernel's by what the weighted q's parts leave (``weighted_q``):
+    per part, 2^-4 of the rest at fp8, 2^-8 at bf16."""
     need_hopper()
     ws = logits_mod.HopperConfig(*shape)
     if not logits_mod.hopper.supports(dtype, d, ws):
@@ -218,7 +222,10 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     report(test="hopper kernel", config=repr(ws), dtype=str(dtype), H=h, D=d,
            rel_err_portable=err_portable,
            rel_err_exact=err_exact)
-    assert err_portable < 1e-5 and err_exact < EXACT_TOL[dtype]
+    terms = ws.linear_terms
+    part_bits = 4 if dtype == FP8 else 8
+    portable_tol = max(1e-5, 4 * 2.0 ** (-part_bits * terms)) if terms else 1e-5
+    assert err_portable < portable_tol and err_exact < EXACT_TOL[dtype]
 
     # clean=False writes every tile that holds an in-range column, and only those
     poison = torch.full_like(buf, 7.0)
@@ -236,6 +243,26 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     paged = paged_mqa_logits(q, cache, scale, w, ks, ke, table, context, ratio, n_cols=n,
                              config=ws)
     assert torch.equal(paged, out)
+
+
+@pytest.mark.parametrize("dtype,terms", [(FP8, 3), (FP8, 2), (torch.bfloat16, 2)])
+def test_weighted_q_parts_round_to_nearest(dtype, terms):
+    """On the GPU each part of the weighted q is its residual rounded to nearest, so the parts
+    hold sum_h w q_h to 2^-(mantissa bits + 1) a part (fp8 e4m3: 2^-4, bf16: 2^-8) of each
+    row's largest value."""
+    from indexer.weighted_q import split_weighted_q
+    g = gen(300 + terms)
+    m, h, d = 1000, 64, 128
+    q = quantize(torch.randn(m, h, d, generator=g, device="cuda"),
+                 torch.randn(1, d, device="cuda"), dtype)[0]
+    w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
+    parts, row_scale = split_weighted_q(q, w, terms)
+    want = (q.double() * w.double()[:, :, None]).sum(1)
+    got = parts.double().view(m, terms, d).sum(1) * row_scale.double()[:, None]
+    err = ((got - want).abs().amax(1) / want.abs().amax(1)).max().item()
+    bound = 2.0 ** (-(4 if dtype == FP8 else 8) * terms)
+    report(test="weighted q parts", dtype=str(dtype), terms=terms, max_err=err, bound=bound)
+    assert err <= bound + 5e-6          # plus the float32 sum over the heads
 
 
 def test_hopper_config_rejects_inputs_it_cannot_take():

@@ -45,8 +45,10 @@ else:
                          mqa_logits, paged_mqa_logits, prefill_topk, row_stride_elems,
                          token_ranges, top_k_per_row)
     from indexer import reference as ref
+    from indexer.logits_hopper import HopperConfig
     from indexer.topk import (PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_SHORT, PATH_TIES,
                               default_config, scratch_elems)
+    from indexer.weighted_q import FP8_MAX, split_weighted_q
 
     FP32_TOL = 1e-5
 
@@ -554,3 +556,53 @@ else:
             prefill_topk(q, w, [4], [8], kv=kv[:5], kv_scale=kv_scale[:5], k=4)
         with pytest.raises(ValueError):
             prefill_topk(q, w, [4], [8], k=4)
+
+    # --- the weighted q in parts (the sm_90 kernel's linear half) -------------------------------
+
+    @pytest.mark.parametrize("dtype,terms,bits", [(torch.float8_e4m3fn, 2, 3),
+                                                  (torch.float8_e4m3fn, 3, 3),
+                                                  (torch.bfloat16, 2, 7), (torch.bfloat16, 3, 7)])
+    def test_weighted_q_parts_add_up_to_the_weighted_q(dtype, terms, bits):
+        """row_scale * sum of the parts = sum_h w q_h, to what ``terms`` roundings to a
+        ``bits``-bit mantissa leave, each within one unit in its last place (the interpreter's
+        conversions round less carefully than the GPU's round-to-nearest, which halves each
+        part's error; the GPU test holds the kernel to that)."""
+        g = torch.Generator().manual_seed(terms)
+        m, h, d = 37, 5, 32
+        q = (torch.randn(m, h, d, generator=g) * 3).to(dtype)
+        w = torch.randn(m, h, generator=g)
+        w[3] = 0                                   # a row whose weighted q is zero
+        parts, row_scale = split_weighted_q(q, w, terms)
+        assert parts.dtype == dtype and parts.shape == (m, terms * d)
+        want = (q.double() * w.double()[:, :, None]).sum(1)
+        got = parts.double().view(m, terms, d).sum(1) * row_scale.double()[:, None]
+        size = want.abs().amax(1)
+        live = size > 0
+        err = (got - want).abs().amax(1)[live] / size[live]
+        assert err.max().item() <= 2.0 ** (-bits * terms) + 1e-6
+        assert (parts[3].float() == 0).all() and row_scale[3].item() == 1.0
+        if dtype == torch.float8_e4m3fn:
+            # the scale puts each row's largest value at (or one step under) e4m3's maximum
+            first = parts[:, :d].float().abs().amax(1)[live]
+            assert ((first <= FP8_MAX) & (first >= 416)).all()
+        else:
+            assert (row_scale == 1).all()
+
+    def test_weighted_q_rejects_bad_inputs():
+        q = torch.randn(4, 2, 32).bfloat16()
+        with pytest.raises(ValueError, match="w must be float32"):
+            split_weighted_q(q, torch.ones(4, 3), 2)
+        with pytest.raises(ValueError, match="w must be float32"):
+            split_weighted_q(q, torch.ones(4, 2, dtype=torch.float64), 2)
+        with pytest.raises(ValueError, match="terms"):
+            split_weighted_q(q, torch.ones(4, 2), 0)
+        with pytest.raises(ValueError, match="contiguous last dimension"):
+            split_weighted_q(q.transpose(1, 2), torch.ones(4, 32), 2)
+
+    def test_hopper_config_checks_its_values():
+        assert repr(HopperConfig(6, 3, 3)) == "wgmma 64x384 s6 linear3"
+        assert HopperConfig(6, 3, 3) != HopperConfig(6, 3) and HopperConfig(6, 3).linear_terms == 0
+        for bad in (dict(stages=1), dict(consumers=4), dict(linear_terms=5),
+                    dict(linear_terms=-1)):
+            with pytest.raises(ValueError, match="HopperConfig"):
+                HopperConfig(**bad)
