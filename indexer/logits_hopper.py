@@ -30,17 +30,31 @@ Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output 
   cores fed (four warpgroups then share the register file; the few registers that spill are
   outside the product loop).
 
+The linear half (``HopperConfig.linear_terms = k``, the fp8 default from 32 heads up):
+``relu(s) w = (s w + |s| w) / 2``, and summed over the heads the first half is
+``q_w . kv / 2`` with ``q_w = sum_h w_h q_h``. ``weighted_q`` writes q_w as k parts in q's
+dtype with a row scale; the producer streams them through the q ring ahead of each tile's
+heads, and each consumer starts its accumulator as their products (the first part's and the
+rest's summed apart in float32). A head then costs one ``FFMA`` an element (``|s|`` is an
+operand modifier) instead of an ``FMNMX`` and an ``FFMA``: 118 instructions a head in the
+product loop instead of 184 (fp8, 3 consumers), for k more products a tile. With k = 3 the
+logits are as close to the float64 reference as the per-head form's (fp8's reduced-precision
+accumulation dominates both). On an H200 it lifts fp8 at 64 heads from 0.86 to 0.89 of
+``torch._scaled_mm``; at 16 heads the k products cost more than they save, and bf16, whose
+products take twice as long, gains nothing that holds across runs.
+
 What limits fp8 (an H200, ``benchmarks/RESULTS.md``): at the board's power limit the kernel
-runs at a higher clock than ``torch._scaled_mm`` and does 0.72 of its work per cycle; no unit
-is saturated (shared-memory pipe about 65%, issue 50%), and the consumers' samples split
-between the barrier before each q-stage release, waits for wgmma results, and the relu and
-weight instructions. Variants that did not help: two consumers of 256 columns each holding the
-q tile in registers (a fifth less shared-memory traffic, but each consumer's relus then wait
-on its own products: slower), two heads per q stage (half the barriers: no faster), loads of w
-without a mask (slower). Not yet tried: kv as the register-held operand (``S^T = kv q_h^T``),
-a third less shared-memory traffic per FLOP and room for four consumers, at the price of a w
-value per column instead of per row; and the relu as two FMAs (``s * w/2 + |s| * w/2``, the
-absolute value an operand modifier), which moves the max off the ALU pipe.
+runs at a higher clock than ``torch._scaled_mm`` and does 0.75 of its work per cycle (0.72
+with a relu per head). With the linear half, issue is active 37% of the cycles and the tensor
+pipe about three quarters; the consumers' samples gather on the waits for their wgmma results.
+Variants that did not help: two consumers of 256 columns each holding the q tile in registers
+(a fifth less shared-memory traffic, but each consumer's relus then wait on its own products:
+slower), two heads per q stage (half the barriers: no faster), loads of w without a mask
+(slower), the relu as two FMAs (``s w/2 + |s| w/2``, both halves per head: slower than
+``FMNMX`` + ``FFMA``), and the linear half's parts summed in one wgmma chain (2-3% faster, but
+3x the error: the later parts' bits are lost in the fp8 accumulation). Not yet tried: kv as the
+register-held operand (``S^T = kv q_h^T``), a third less shared-memory traffic per FLOP, at
+the price of a w value per column instead of per row.
 
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
 ``clean``). All partitions walk the same tile sequence (each decides activity itself).
@@ -390,39 +404,32 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
                              p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC,
-                             gl.constexpr(0), CLEAN, TERMS)),
+                             stride_om, H, NC, gl.constexpr(0), CLEAN, TERMS)),
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
                              p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC,
-                             gl.constexpr(1), CLEAN, TERMS)),
-                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full,
-                             q_empty,
-                             kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks,
-                             p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
-                             stride_sc_0, stride_sc_1, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
-                             CHUNK, KV_LOAD, TERMS)),
+                             stride_om, H, NC, gl.constexpr(1), CLEAN, TERMS)),
+                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem,
+                             q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
+                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
+                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
+                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
                              p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC,
-                             gl.constexpr(0), CLEAN, TERMS)),
+                             stride_om, H, NC, gl.constexpr(0), CLEAN, TERMS)),
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
                              p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC,
-                             gl.constexpr(1), CLEAN, TERMS)),
+                             stride_om, H, NC, gl.constexpr(1), CLEAN, TERMS)),
                 (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
                              p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC,
-                             gl.constexpr(2), CLEAN, TERMS)),
-                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full,
-                             q_empty,
-                             kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks,
-                             p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
-                             stride_sc_0, stride_sc_1, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
-                             CHUNK, KV_LOAD, TERMS)),
+                             stride_om, H, NC, gl.constexpr(2), CLEAN, TERMS)),
+                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem,
+                             q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
+                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
+                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
+                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -493,8 +500,7 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     _logits_ws_kernel[(min(tiles, sms),)](
         q_desc, qw_desc, kv_desc, kv, kv_scale, w, ks, ke, out, row_scale, block_table, cu_kv,
-        m, n, num_reqs,
-        n_steps,
+        m, n, num_reqs, n_steps,
         strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], w.stride(0), w.stride(1),
         out.stride(0), stride_bt,
         H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,

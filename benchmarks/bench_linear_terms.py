@@ -1,0 +1,134 @@
+#!/usr/bin/env python
+"""The sm_90 logits kernel with and without the relus' linear half taken apart
+(``HopperConfig.linear_terms``), side by side: speed and accuracy, fp8 and bf16, at 64, 32 and
+16 heads.
+
+    python benchmarks/bench_linear_terms.py [--rounds 3] [--json FILE]
+
+Per (dtype, H): each config's TFLOP/s (median of ``--rounds`` ``do_bench`` rounds, full rows,
+M = 4096, N = 65536, D = 128) beside the product ceiling measured in the same rounds, and its
+logits' relative error and top-2048 set agreement against a float64 reference on the same
+(quantized) inputs over the first ``--rows`` rows. This is the measurement behind the default
+config's choice of linear terms (``indexer.logits.default_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from indexer import HopperConfig, mqa_logits, row_stride_elems  # noqa: E402
+from indexer.logits_hopper import supports  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+M, N, D, K, MM = 4096, 65536, 128, 2048, 8192
+CASES = [(FP8, 64, [(6, 3), (6, 3, 2), (6, 3, 3), (8, 3, 3)]),
+         (FP8, 32, [(6, 3), (6, 3, 3)]),
+         (FP8, 16, [(6, 3), (6, 3, 3)]),
+         (torch.bfloat16, 64, [(3, 2), (3, 2, 2), (3, 2, 3)]),
+         (torch.bfloat16, 32, [(3, 2), (3, 2, 3)])]
+
+
+def inputs(dtype, h, g):
+    """Fresh random data; for fp8, kv rows scaled into e4m3's range as a quantizer would."""
+    q32 = torch.randn(M, h, D, generator=g, device="cuda")
+    kv32 = torch.randn(N, D, generator=g, device="cuda")
+    w = torch.randn(M, h, generator=g, device="cuda") / h ** 0.5
+    scale = torch.rand(N, generator=g, device="cuda") + 0.5
+    if dtype == FP8:
+        row = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
+        q, kv, scale = q32.to(FP8), (kv32 / row[:, None]).to(FP8), scale * row
+    else:
+        q, kv = q32.to(dtype), kv32.to(dtype)
+    ks = torch.zeros(M, dtype=torch.int32, device="cuda")
+    ke = torch.full((M,), N, dtype=torch.int32, device="cuda")
+    return q, kv, scale.float(), w, ks, ke
+
+
+def exact_rows(q, kv, kv_scale, w, rows):
+    """The float64 logits of the first ``rows`` rows (full rows), 16 rows at a time."""
+    h = q.shape[1]
+    kv64, out = kv.double(), []
+    for r0 in range(0, rows, 16):
+        s = (q[r0:r0 + 16].double().reshape(-1, D) @ kv64.T).clamp_(min=0).view(-1, h, N)
+        out.append((s * w[r0:r0 + 16, :, None].double()).sum(1) * kv_scale.double())
+    return torch.cat(out)
+
+
+def set_agreement(got, want):
+    a, b = got.topk(K, dim=1).indices.cpu(), want.topk(K, dim=1).indices.cpu()
+    return sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(a, b)) / (a.numel())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rows", type=int, default=64, help="rows checked against float64")
+    p.add_argument("--json", help="write the results there as JSON")
+    args = p.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("bench_linear_terms needs an sm_90 GPU (the kernel it measures is sm_90's)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(MM, MM, generator=g, device="cuda") for _ in range(2))
+    ceilings = {FP8: ("torch._scaled_mm", lambda a8=a.to(FP8), b8=b.to(FP8).t(),
+                      one=torch.ones((), device="cuda"): torch._scaled_mm(
+                          a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                          use_fast_accum=True)),
+                torch.bfloat16: ("torch.matmul", lambda a16=a.bfloat16(), b16=b.bfloat16():
+                                 a16 @ b16)}
+    out = torch.empty((M, row_stride_elems(N)), device="cuda")[:, :N]
+    table = Table(title=f"linear terms ({torch.cuda.get_device_name()}, torch "
+                        f"{torch.__version__}, Triton {triton.__version__})")
+    for col in ("dtype", "H", "config", "TFLOP/s", "of ceiling", "rel. err vs float64",
+                f"top-{K} set agreement"):
+        table.add_column(col)
+    results = []
+    for dtype, h, shapes in CASES:
+        q, kv, kv_scale, w, ks, ke = inputs(dtype, h, g)
+        want = exact_rows(q, kv, kv_scale, w, args.rows)
+        fns, acc = {}, {}
+        for shape in shapes:
+            cfg = HopperConfig(*shape)
+            if not supports(dtype, D, cfg):
+                continue
+            fns[cfg] = lambda cfg=cfg: mqa_logits(q, kv, kv_scale, w, ks, ke, out, config=cfg)
+            fns[cfg]()
+            got = out[:args.rows].double()
+            acc[cfg] = (((got - want).norm() / want.norm()).item(), set_agreement(got, want))
+        name, ceiling = ceilings[dtype]
+        times = {c: [] for c in [*fns, name]}
+        for _ in range(args.rounds):       # interleaved, so drifts of the clock hit all alike
+            for c, fn in [*fns.items(), (name, ceiling)]:
+                times[c].append(triton.testing.do_bench(fn, warmup=25, rep=200,
+                                                        return_mode="median"))
+        ceiling_tf = 2 * MM ** 3 / statistics.median(times[name]) / 1e9
+        table.add_row(str(dtype).replace("torch.", ""), str(h), name, f"{ceiling_tf:.1f}", "1.000",
+                      "", "")
+        for cfg in fns:
+            tf = 2 * M * N * h * D / statistics.median(times[cfg]) / 1e9
+            err, agree = acc[cfg]
+            table.add_row("", "", repr(cfg), f"{tf:.1f}", f"{tf / ceiling_tf:.3f}", f"{err:.2e}",
+                          f"{agree:.5f}")
+            results.append(dict(dtype=str(dtype), H=h, config=repr(cfg), tflops=tf,
+                                of_ceiling=tf / ceiling_tf, ceiling=name, ceiling_tflops=ceiling_tf,
+                                rel_err=err, topk_agreement=agree))
+        del q, kv
+    Console(width=140).print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
