@@ -49,13 +49,13 @@ M, N, H, D, MM = 4096, 65536, 64, 128, 8192
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active"
 
 
-def logits_case(dtype):
-    """The logits call at the benchmark shape on fresh random data (kv rows scaled into e4m3's
-    range for fp8, as a quantizer would)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q32 = torch.randn(M, H, D, generator=g, device="cuda")
+def logits_inputs(dtype, h: int = H, seed: int = 0):
+    """(q, kv, kv_scale, w, ks, ke) at the benchmark shape with ``h`` heads, full rows, on fresh
+    random data (kv rows scaled into e4m3's range for fp8, as a quantizer would)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q32 = torch.randn(M, h, D, generator=g, device="cuda")
     kv32 = torch.randn(N, D, generator=g, device="cuda")
-    w = torch.randn(M, H, generator=g, device="cuda") / H ** 0.5
+    w = torch.randn(M, h, generator=g, device="cuda") / h ** 0.5
     scale = torch.rand(N, generator=g, device="cuda") + 0.5
     if dtype == FP8:
         row = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
@@ -64,10 +64,15 @@ def logits_case(dtype):
         q, kv = q32.to(dtype), kv32.to(dtype)
     ks = torch.zeros(M, dtype=torch.int32, device="cuda")
     ke = torch.full((M,), N, dtype=torch.int32, device="cuda")
+    return q, kv, scale.float(), w, ks, ke
+
+
+def logits_case(dtype):
+    """The logits call at the benchmark shape in its default config."""
+    args = logits_inputs(dtype)
     out = torch.empty((M, indexer.row_stride_elems(N)), device="cuda")[:, :N]
-    scale = scale.float()
     cfg = logits_mod.default_config(dtype, H, D)
-    return (lambda: indexer.mqa_logits(q, kv, scale, w, ks, ke, out)), 2 * M * N * H * D, cfg
+    return (lambda: indexer.mqa_logits(*args, out)), 2 * M * N * H * D, cfg
 
 
 def product_case(dtype):

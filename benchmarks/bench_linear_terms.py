@@ -21,40 +21,25 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from bench_clocks import FP8, D, M, N, logits_inputs, product_case  # noqa: E402
 from indexer import HopperConfig, mqa_logits, row_stride_elems  # noqa: E402
 from indexer.logits_hopper import supports  # noqa: E402
 
-FP8 = torch.float8_e4m3fn
-M, N, D, K, MM = 4096, 65536, 128, 2048, 8192
+K = 2048
 CASES = [(FP8, 64, [(6, 3), (6, 3, 2), (6, 3, 3), (8, 3, 3)]),
          (FP8, 32, [(6, 3), (6, 3, 3)]),
          (FP8, 16, [(6, 3), (6, 3, 3)]),
          (torch.bfloat16, 64, [(3, 2), (3, 2, 2), (3, 2, 3)]),
          (torch.bfloat16, 32, [(3, 2), (3, 2, 3)])]
-
-
-def inputs(dtype, h, g):
-    """Fresh random data; for fp8, kv rows scaled into e4m3's range as a quantizer would."""
-    q32 = torch.randn(M, h, D, generator=g, device="cuda")
-    kv32 = torch.randn(N, D, generator=g, device="cuda")
-    w = torch.randn(M, h, generator=g, device="cuda") / h ** 0.5
-    scale = torch.rand(N, generator=g, device="cuda") + 0.5
-    if dtype == FP8:
-        row = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
-        q, kv, scale = q32.to(FP8), (kv32 / row[:, None]).to(FP8), scale * row
-    else:
-        q, kv = q32.to(dtype), kv32.to(dtype)
-    ks = torch.zeros(M, dtype=torch.int32, device="cuda")
-    ke = torch.full((M,), N, dtype=torch.int32, device="cuda")
-    return q, kv, scale.float(), w, ks, ke
 
 
 def exact_rows(q, kv, kv_scale, w, rows):
@@ -80,14 +65,6 @@ def main():
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench_linear_terms needs an sm_90 GPU (the kernel it measures is sm_90's)")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    a, b = (torch.randn(MM, MM, generator=g, device="cuda") for _ in range(2))
-    ceilings = {FP8: ("torch._scaled_mm", lambda a8=a.to(FP8), b8=b.to(FP8).t(),
-                      one=torch.ones((), device="cuda"): torch._scaled_mm(
-                          a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                          use_fast_accum=True)),
-                torch.bfloat16: ("torch.matmul", lambda a16=a.bfloat16(), b16=b.bfloat16():
-                                 a16 @ b16)}
     out = torch.empty((M, row_stride_elems(N)), device="cuda")[:, :N]
     table = Table(title=f"linear terms ({torch.cuda.get_device_name()}, torch "
                         f"{torch.__version__}, Triton {triton.__version__})")
@@ -95,8 +72,8 @@ def main():
                 f"top-{K} set agreement"):
         table.add_column(col)
     results = []
-    for dtype, h, shapes in CASES:
-        q, kv, kv_scale, w, ks, ke = inputs(dtype, h, g)
+    for seed, (dtype, h, shapes) in enumerate(CASES):
+        q, kv, kv_scale, w, ks, ke = logits_inputs(dtype, h, seed)
         want = exact_rows(q, kv, kv_scale, w, args.rows)
         fns, acc = {}, {}
         for shape in shapes:
@@ -107,13 +84,13 @@ def main():
             fns[cfg]()
             got = out[:args.rows].double()
             acc[cfg] = (((got - want).norm() / want.norm()).item(), set_agreement(got, want))
-        name, ceiling = ceilings[dtype]
+        ceiling, ceiling_flops, name = product_case(dtype)
         times = {c: [] for c in [*fns, name]}
         for _ in range(args.rounds):       # interleaved, so drifts of the clock hit all alike
             for c, fn in [*fns.items(), (name, ceiling)]:
                 times[c].append(triton.testing.do_bench(fn, warmup=25, rep=200,
                                                         return_mode="median"))
-        ceiling_tf = 2 * MM ** 3 / statistics.median(times[name]) / 1e9
+        ceiling_tf = ceiling_flops / statistics.median(times[name]) / 1e9
         table.add_row(str(dtype).replace("torch.", ""), str(h), name, f"{ceiling_tf:.1f}", "1.000",
                       "", "")
         for cfg in fns:

@@ -39,9 +39,10 @@ rest's summed apart in float32). A head then costs one ``FFMA`` an element (``|s
 operand modifier) instead of an ``FMNMX`` and an ``FFMA``: 118 instructions a head in the
 product loop instead of 184 (fp8, 3 consumers), for k more products a tile. With k = 3 the
 logits are as close to the float64 reference as the per-head form's (fp8's reduced-precision
-accumulation dominates both). On an H200 it lifts fp8 at 64 heads from 0.86 to 0.89 of
-``torch._scaled_mm``; at 16 heads the k products cost more than they save, and bf16, whose
-products take twice as long, gains nothing that holds across runs.
+accumulation dominates both). On an H200 it makes fp8 at 64 heads 3-4% faster (0.84-0.86 to
+0.87-0.89 of ``torch._scaled_mm``) and 0.5-1% at 32; at 16 heads the k products cost more than
+they save. bf16, whose products take twice as long, gains 2% with two parts at ten times the
+error, and keeps a relu per head.
 
 What limits fp8 (an H200, ``benchmarks/RESULTS.md``): at the board's power limit the kernel
 runs at a higher clock than ``torch._scaled_mm`` and does 0.75 of its work per cycle (0.72
