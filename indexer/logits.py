@@ -8,9 +8,10 @@ w and kv_scale are float32; the output is float32.
 Two kernels: on sm_90, bf16, fp16 and fp8 calls go by default to the warp-specialized Gluon
 kernel of ``logits_hopper`` (consumer warpgroups that ping-pong their products and relus; at
 64 heads on an H200, 0.98 of the bf16 matmul rate, and 0.88 of the fp8 ``_scaled_mm`` rate with
-the relus' linear half taken apart, see ``weighted_q``). The portable Triton kernel below serves everything else
-(other GPUs, float32, inputs the Gluon kernel cannot take, the CPU interpreter); on an H200 it
-runs at ~62% of the matmul rate, because its relus wait for each product.
+the relus' linear half taken apart, see ``weighted_q``). The portable Triton kernel below
+serves everything else (other GPUs, float32, inputs the Gluon kernel cannot take, the CPU
+interpreter); on an H200 it runs at ~62% of the matmul rate, because its relus wait for each
+product.
 
 Tiling of the portable kernel: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x
 kv entries). It loads its kv tile once into shared memory, then loops over the heads: per head one

@@ -11,8 +11,9 @@ q_w is a float32 sum; tensor cores take q's dtype. So q_w is written as ``terms`
 ``row_scale[i] * sum_k part_k[i]``: each part is the rounding, to q's dtype, of what the parts
 before it left over. Each part carries about as many bits as the dtype's mantissa (fp8 e4m3:
 4, bf16: 8), so three fp8 parts or two bf16 parts hold q_w to ~2^-12 or ~2^-16 of its size.
-For fp8, ``row_scale`` puts each row's largest value at the e4m3 maximum (448), so the later
-parts stay in the normal range; for 16-bit types it is 1.
+For fp8, ``row_scale`` puts each row's largest value at the e4m3 maximum (448), and for fp16
+at 2^14, so that the later parts stay in the normal range; for bf16 (float32's exponent range)
+it is 1.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = ["split_weighted_q", "FP8_MAX"]
 
 FP8_MAX = 448.0
 _FP8 = getattr(torch, "float8_e4m3fn", None)
+# each row's largest value after scaling, by dtype (0: not scaled)
+_ROW_MAX = {torch.float16: 2.0 ** 14, **({_FP8: FP8_MAX} if _FP8 is not None else {})}
 
 
 @triton.jit
@@ -78,5 +81,5 @@ def split_weighted_q(q: torch.Tensor, w: torch.Tensor, terms: int,
         _split_weighted_q_kernel[(triton.cdiv(m, block_m),)](
             q, w, parts, row_scale, m, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
             parts.stride(0), H=h, D=d, TERMS=terms,
-            DTYPE_MAX=FP8_MAX if q.dtype == _FP8 else 0.0, BLOCK_M=block_m)
+            DTYPE_MAX=_ROW_MAX.get(q.dtype, 0.0), BLOCK_M=block_m)
     return parts, row_scale

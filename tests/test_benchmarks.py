@@ -1,7 +1,8 @@
 """The GPU benchmarks' host-side parts, on the CPU: the indexer benchmark end to end at toy sizes
-(its --smoke mode, under the Triton interpreter) and the clock benchmark's reading of nvidia-smi
-samples. Their figures mean nothing here; what is checked is that the programs run and report
-what RESULTS.md quotes from them."""
+(its --smoke mode, under the Triton interpreter), the clock benchmark's reading of nvidia-smi
+samples, and the linear-terms benchmark's refusal to run without an sm_90 GPU. Their figures mean
+nothing here; what is checked is that the programs run and report what RESULTS.md quotes from
+them."""
 
 import importlib.util
 import json
@@ -52,3 +53,16 @@ def test_bench_clocks_reads_nvidia_smi_samples(tmp_path):
     assert [(mhz, watts, reasons) for _t, mhz, watts, reasons in samples] == [
         (1515.0, 691.74, 4), (1980.0, 164.01, 0)]
     assert samples[1][0] - samples[0][0] == pytest.approx(3.607, abs=1e-6)
+
+
+def test_bench_linear_terms_says_what_it_needs_without_an_sm90_gpu():
+    """It measures the sm_90 kernel only: elsewhere it must stop with a clear message rather
+    than time another kernel under the sm_90 kernel's name."""
+    pytest.importorskip("rich")
+    import torch
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("an sm_90 GPU is here: the benchmark would run")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_linear_terms.py")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "needs an sm_90 GPU" in proc.stderr
