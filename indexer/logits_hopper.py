@@ -40,7 +40,7 @@ operand modifier) instead of an ``FMNMX`` and an ``FFMA``: 118 instructions a he
 product loop instead of 184 (fp8, 3 consumers), for k more products a tile. With k = 3 the
 logits are as close to the float64 reference as the per-head form's (fp8's reduced-precision
 accumulation dominates both). On an H200 it makes fp8 at 64 heads 3-4% faster (0.84-0.86 to
-0.87-0.89 of ``torch._scaled_mm``) and 0.5-1% at 32; at 16 heads the k products cost more than
+0.87-0.89 of ``torch._scaled_mm``) and 0-1% at 32; at 16 heads the k products cost more than
 they save. bf16, whose products take twice as long, gains 2% with two parts at ten times the
 error, and keeps a relu per head.
 
