@@ -181,7 +181,7 @@ class Bench:
         for dtype in self.dtypes:
             q, kv, scale, w, ks, ke, pairs = self.inputs(dtype, causal=False)
             cands = ([logits_mod.default_config(dtype, self.H, self.D, device=self.device.type)]
-                     if self.smoke else logits_mod.candidate_configs(dtype, self.D))
+                     if self.smoke else logits_mod.candidate_configs(dtype, self.H, self.D))
             timings = []
             for cfg in cands:
                 try:
@@ -290,7 +290,7 @@ class Bench:
                 ms=t, torch_unsorted_ms=t_unsorted, torch_sorted_ms=t_sorted,
                 speedup_unsorted=t_unsorted / t, speedup_sorted=t_sorted / t,
                 identical_sets=same, exact_rows=int(valid.sum()), rows=self.M,
-                paths=torch.bincount(path.long(), minlength=4).tolist())
+                paths=topk_mod.path_counts(path))
         self.results["topk"] = res
 
     def prefill(self, arena_installed: bool):

@@ -66,7 +66,7 @@ def main():
         fns, acc = {}, {}
         for shape in shapes:
             cfg = HopperConfig(*shape)
-            if not supports(dtype, D, cfg):
+            if not supports(dtype, h, D, cfg):
                 continue
             fns[cfg] = lambda cfg=cfg: mqa_logits(q, kv, kv_scale, w, ks, ke, out, config=cfg)
             fns[cfg]()

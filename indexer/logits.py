@@ -223,7 +223,7 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
         linear = 3 if dtype == _FP8 and h >= 32 else 0
         for cfg in ((HopperConfig(3),) if dtype != _FP8 else
                     (HopperConfig(6, 3, linear), HopperConfig(4, 2, linear))):
-            if hopper.supports(dtype, d, cfg):
+            if hopper.supports(dtype, h, d, cfg):
                 return cfg
     return _portable_default(dtype, d)
 
@@ -247,14 +247,15 @@ def set_config(dtype: torch.dtype, h: int, d: int, paged: bool,
         _CHOSEN[_key(dtype, h, d, paged)] = config
 
 
-def candidate_configs(dtype: torch.dtype, d: int) -> list[LogitsConfig | HopperConfig]:
-    """Configs worth timing on a Hopper GPU: the warp-specialized kernel's q pipeline depths
-    (on sm_90) and the portable kernel's tiles, those that fit in shared memory."""
+def candidate_configs(dtype: torch.dtype, h: int, d: int) -> list[LogitsConfig | HopperConfig]:
+    """Configs worth timing on a Hopper GPU at H heads of size D: the warp-specialized kernel's
+    q pipeline depths (on sm_90) and the portable kernel's tiles, those that fit in shared
+    memory."""
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
     shapes = [(3, 2), (4, 2), (4, 3), (6, 3), (8, 3)]
     ws = ([c for c in [HopperConfig(*sc) for sc in shapes] +
            [HopperConfig(*sc, linear_terms=3) for sc in shapes[2:]]
-           if hopper.supports(dtype, d, c)] if _on_hopper() else [])
+           if hopper.supports(dtype, h, d, c)] if _on_hopper() else [])
     return ws + [c for c in _CANDIDATES
                  if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]
 

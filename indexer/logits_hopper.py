@@ -20,11 +20,11 @@ Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output 
 
 * a producer warp: brings each tile's kv rows (128 per consumer) into one of two buffers, by
   TMA (dense kv) or by ``cp.async`` through the block table (paged kv), with their scales by
-  ``cp.async``; and streams q tiles (``64 x D``, one head) through a ``STAGES``-deep TMA ring
-  over q viewed as ``[M, H * D]``;
+  ``cp.async`` and the tile's weights ``[H, 64]`` by TMA; and streams q tiles (``64 x D``,
+  one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``;
 * two or three consumer warpgroups (``HopperConfig.consumers``), each owning 128 of the
-  tile's columns: per head, wait for the q tile, one ``64 x 128 x D`` wgmma, release the q
-  tile, relu, weight, accumulate. All read the same q tile from shared memory, so each q byte
+  tile's columns: per head, wait for the q tile, one ``64 x 128 x D`` wgmma, the head's
+  weights from shared memory, release the q tile, relu, weight, accumulate. All read the same q tile from shared memory, so each q byte
   fetched from L2 feeds 256 or 384 columns. fp8 products take half as long as bf16 ones, so
   two consumers' relus no longer fit under each other's products; a third keeps the tensor
   cores fed (four warpgroups then share the register file; the few registers that spill are
@@ -57,6 +57,14 @@ slower), two heads per q stage (half the barriers: no faster), loads of w withou
 register-held operand (``S^T = kv q_h^T``), a third less shared-memory traffic per FLOP, at
 the price of a w value per column instead of per row.
 
+The weights come from shared memory because their global loads (a row's weight for the next
+head, with its address and mask) cost 19 of the 118 instructions a head. ``weighted_q.w_tiles``
+writes w transposed (halved for the linear half), with each 16 rows in the order 0, 8, 1, 9,
+..., so that the two rows a thread holds in the wgmma layout are one 8-byte shared load: 99
+instructions a head on Triton 3.6, and fp8 at 64 heads 10% faster on an H200 (1,258 against
+1,144 TFLOP/s, the same bits). It costs 2 x H x 64 x 4 bytes of shared memory (32 KiB at 64
+heads), which ``supports`` counts.
+
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
 ``clean``). All partitions walk the same tile sequence (each decides activity itself).
 """
@@ -69,7 +77,7 @@ import torch
 import triton
 
 from ._device import capability, sm_count
-from .weighted_q import split_weighted_q
+from .weighted_q import split_weighted_q, w_tiles
 
 try:
     from triton.experimental import gluon
@@ -91,6 +99,16 @@ if AVAILABLE:
     # Triton renamed these copies (3.6 has the old names, later versions only the new ones).
     _TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _CP_ASYNC = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    from triton.experimental.gluon.language._core import shared_memory_descriptor as _SMD
+
+    if hasattr(_SMD, "reinterpret"):
+        @gluon.jit
+        def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf.reinterpret(dtype, shape, layout)
+    else:  # Triton 3.6 names it with an underscore
+        @gluon.jit
+        def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+            return buf._reinterpret(dtype, shape, layout)
 
 
 class HopperConfig:
@@ -223,8 +241,8 @@ if AVAILABLE:
         return b_page, b_slot, m_r
 
     @gluon.jit
-    def _producer(q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem, q_full, q_empty,
-                  kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks, p_ke, M,
+    def _producer(q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem, off_smem,
+                  q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks, p_ke, M,
                   N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
                   stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
                   STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
@@ -261,14 +279,18 @@ if AVAILABLE:
             # The phase completes once this warp's copies have landed (the async arrive
             # first: it raises the pending count before the arrive below could complete it).
             async_copy.mbarrier_arrive(kv_full.index(b))
+            m_0 = (t // num_n) * BM
+            # The tile's weights [H, BM] come with its kv, on the kv barrier (the expect is
+            # the producer's arrive).
             if PAGED:
-                mbarrier.arrive(kv_full.index(b), count=1)
+                mbarrier.expect(kv_full.index(b), w_desc.block_type.nbytes)
             else:
-                mbarrier.expect(kv_full.index(b), NC * kv_desc.block_type.nbytes)
+                mbarrier.expect(kv_full.index(b),
+                                NC * kv_desc.block_type.nbytes + w_desc.block_type.nbytes)
                 for c in gl.static_range(NC):
                     _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
                               kv_smem.index(b * NCP + c))
-            m_0 = (t // num_n) * BM
+            _TMA_LOAD(w_desc, [0, m_0], kv_full.index(b), w_smem.index(b))
             # The parts of the weighted q first (when the linear half is taken apart), then
             # the heads, all through the one ring.
             for k in gl.static_range(TERMS):
@@ -288,10 +310,10 @@ if AVAILABLE:
             j += 1
 
     @gluon.jit
-    def _consumer(q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w, p_ks,
-                  p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh, stride_om,
-                  H: gl.constexpr, NC: gl.constexpr, PART: gl.constexpr, CLEAN: gl.constexpr,
-                  TERMS: gl.constexpr):
+    def _consumer(q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full, kv_empty, p_ks,
+                  p_ke, p_out, p_row_scale, M, N, stride_om, H: gl.constexpr, NC: gl.constexpr,
+                  PART: gl.constexpr, CLEAN: gl.constexpr, TERMS: gl.constexpr,
+                  W_ROW: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -322,8 +344,8 @@ if AVAILABLE:
             kv_t = kv_smem.index(b * NCP + PART).permute((1, 0))
             o_m = (t // num_n) * BM + gl.arange(0, BM, layout=ROWS)
             m_m = o_m < M
-            p_w_rows = p_w + o_m.to(gl.int64) * stride_wm
-            b_w = gl.load(p_w_rows, mask=m_m, other=0.0)
+            # one head's weights for the tile's rows, a thread's two rows side by side
+            w_heads = _reinterpret(w_smem.index(b), gl.float32, [H, BM], W_ROW)
             acc = gl.zeros([BM, PN], gl.float32, MMA)
             if TERMS > 0:
                 # The linear half, row_scale * (sum_k part_k . kv) / 2. The first part's
@@ -343,21 +365,18 @@ if AVAILABLE:
                     acc += b_s
                 b_half = gl.load(p_row_scale + o_m, mask=m_m, other=0.0) * 0.5
                 acc = acc * b_half[:, None]
-                b_w = b_w * 0.5
             for h in range(H):
                 st = s % STAGES
                 mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
                 b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=False)
+                b_w = w_heads.index(h).load(ROWS)
                 mbarrier.arrive(q_empty.index(st), count=1)
-                b_w_next = gl.load(p_w_rows + (h + 1) * stride_wh, mask=m_m & (h + 1 < H),
-                                   other=0.0)
                 if TERMS > 0:
-                    # relu(s) * w = s * w/2 + |s| * w/2; the first half is in acc already.
+                    # relu(s) * w = s * w/2 + |s| * w/2; the first half is in acc already
+                    # and the weights come halved.
                     acc += gl.abs(b_s) * b_w[:, None]
-                    b_w = b_w_next * 0.5
                 else:
                     acc += gl.maximum(b_s, 0.0) * b_w[:, None]
-                    b_w = b_w_next
                 s += 1
             o_n = (t % num_n) * BN + PART * PN + gl.arange(0, PN, layout=COLS)
             b_scale = sc_smem.index(b * NCP + PART).load(COLS)
@@ -373,15 +392,15 @@ if AVAILABLE:
             j += 1
 
     @gluon.jit
-    def _logits_ws_kernel(q_desc, qw_desc, kv_desc, p_kv, p_kv_scale, p_w, p_ks, p_ke, p_out,
-                          p_row_scale, p_block_table, p_cu_kv, M, N, num_reqs, n_steps,
-                          stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
-                          stride_wm, stride_wh, stride_om, stride_bt,
-                          H: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, p_kv, p_kv_scale, p_ks, p_ke,
+                          p_out, p_row_scale, p_block_table, p_cu_kv, M, N, num_reqs, n_steps,
+                          stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_om,
+                          stride_bt, H: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                           NC: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
                           CLEAN: gl.constexpr, KV_SMEM: gl.constexpr, KV_LOAD: gl.constexpr,
                           CHUNK: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          PRODUCER_REGS: gl.constexpr, TERMS: gl.constexpr):
+                          PRODUCER_REGS: gl.constexpr, TERMS: gl.constexpr,
+                          W_ROW: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         PN: gl.constexpr = 128
         NCP: gl.constexpr = 2 if NC <= 2 else 4          # buffers per tile, a power of two
@@ -390,6 +409,8 @@ if AVAILABLE:
         kv_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NCP, PN, D], KV_SMEM)
         sc_smem = gl.allocate_shared_memory(gl.float32, [2 * NCP, PN], plain)
         off_smem = gl.allocate_shared_memory(gl.int64, [PN if PAGED else 1], plain)
+        w_smem = gl.allocate_shared_memory(gl.float32, [2] + w_desc.block_type.shape,
+                                           w_desc.layout)
         q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -403,31 +424,31 @@ if AVAILABLE:
         # (a jit function cannot be put in a variable here, so the producer is spelled twice)
         if NC == 2:
             gl.warp_specialize([
-                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC, gl.constexpr(0), CLEAN, TERMS)),
-                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC, gl.constexpr(1), CLEAN, TERMS)),
-                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem,
-                             q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
+                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
+                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
+                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
+                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
+                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
+                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
+                (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
+                             off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
                              p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
                              stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
                              D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC, gl.constexpr(0), CLEAN, TERMS)),
-                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC, gl.constexpr(1), CLEAN, TERMS)),
-                (_consumer, (q_smem, kv_smem, sc_smem, q_full, q_empty, kv_full, kv_empty, p_w,
-                             p_ks, p_ke, p_out, p_row_scale, M, N, stride_wm, stride_wh,
-                             stride_om, H, NC, gl.constexpr(2), CLEAN, TERMS)),
-                (_producer, (q_desc, qw_desc, kv_desc, q_smem, kv_smem, sc_smem, off_smem,
-                             q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
+                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
+                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
+                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
+                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
+                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
+                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
+                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
+                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
+                             gl.constexpr(2), CLEAN, TERMS, W_ROW)),
+                (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
+                             off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
                              p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
                              stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
                              D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
@@ -437,14 +458,17 @@ if AVAILABLE:
 _SMEM_LIMIT = 227 * 1024
 
 
-def supports(dtype: torch.dtype, d: int, cfg: HopperConfig) -> bool:
-    """Whether the kernel exists for this dtype and head size: 16-bit or fp8, D a power of two
-    from 32, with the q ring and both tiles' kv buffers in shared memory."""
-    if not AVAILABLE or dtype not in _GL_DTYPE or d < 32 or d & (d - 1):
+def supports(dtype: torch.dtype, h: int, d: int, cfg: HopperConfig) -> bool:
+    """Whether the kernel exists for this dtype and shape: 16-bit or fp8, D a power of two
+    from 32, at most 256 heads, with the q ring and both tiles' kv buffers and weights in
+    shared memory."""
+    if not AVAILABLE or dtype not in _GL_DTYPE or d < 32 or d & (d - 1) or not 1 <= h <= 256:
         return False
     elem = 1 if dtype == _FP8 else 2
     buffers = 2 * (2 if cfg.consumers <= 2 else 4)
-    return (cfg.stages * BLOCK_M + buffers * PART_N) * d * elem + 8 * 1024 <= _SMEM_LIMIT
+    weights = 2 * h * BLOCK_M * 4
+    return ((cfg.stages * BLOCK_M + buffers * PART_N) * d * elem + weights + 8 * 1024
+            <= _SMEM_LIMIT)
 
 
 def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
@@ -452,8 +476,8 @@ def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
     """Whether the kernel can take these inputs: ``supports``, on an sm_90 device, q viewable
     as [M, H * D] with a 16-byte aligned base and row stride (for TMA), and kv rows (dense, or
     pages and slots of a cache) starting 16-byte aligned (for TMA and cp.async)."""
-    d = q.shape[2]
-    if q.device.type != "cuda" or not supports(q.dtype, d, cfg):
+    _, h, d = q.shape
+    if q.device.type != "cuda" or not supports(q.dtype, h, d, cfg):
         return False
     if capability(q.device) != (9, 0):
         return False
@@ -477,6 +501,17 @@ def layouts(dtype, d: int):
     return q_smem, kv_smem, kv_load, chunk
 
 
+@functools.lru_cache(maxsize=None)
+def w_layouts():
+    """The weights' tile [H, BLOCK_M] as TMA writes it (rows of BLOCK_M floats, unswizzled) and
+    as the consumers read one head's row of it: a rank-1 layout whose offset bits map to rows
+    8, 1, 2, 4, 16, 32, ..., the order ``w_tiles`` stored them in, so that the two rows r and
+    r + 8 a thread holds in the wgmma layout are one 8-byte load."""
+    tma = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    rows = [[8], [1], [2], [4]] + [[1 << i] for i in range(4, (BLOCK_M - 1).bit_length())]
+    return tma, gl.SharedLinearLayout(rows)
+
+
 def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_steps, paged, page,
            strides_kv, strides_sc, stride_bt, clean, cfg: HopperConfig):
     m, h, d = q.shape
@@ -491,6 +526,9 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
                                    q_smem)
     else:
         qw_desc, row_scale = q_desc, w          # unused
+    w_tma, w_row = w_layouts()
+    wt = w_tiles(w, 0.5 if terms else 1.0, BLOCK_M)
+    w_desc = TensorDescriptor(wt, list(wt.shape), [wt.stride(0), 1], [h, BLOCK_M], w_tma)
     if paged:
         kv_desc = q_desc          # unused: paged rows are gathered with cp.async
     else:
@@ -500,11 +538,10 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     _logits_ws_kernel[(min(tiles, sms),)](
-        q_desc, qw_desc, kv_desc, kv, kv_scale, w, ks, ke, out, row_scale, block_table, cu_kv,
-        m, n, num_reqs, n_steps,
-        strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], w.stride(0), w.stride(1),
-        out.stride(0), stride_bt,
+        q_desc, qw_desc, kv_desc, w_desc, kv, kv_scale, ks, ke, out, row_scale, block_table,
+        cu_kv, m, n, num_reqs, n_steps,
+        strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], out.stride(0), stride_bt,
         H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
         KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, TERMS=terms, num_warps=4, maxnreg=maxnreg)
+        PRODUCER_REGS=producer_regs, TERMS=terms, W_ROW=w_row, num_warps=4, maxnreg=maxnreg)
     return out

@@ -14,6 +14,9 @@ before it left over. Each part carries about as many bits as the dtype's mantiss
 For fp8, ``row_scale`` puts each row's largest value at the e4m3 maximum (448), and for fp16
 at 2^14, so that the later parts stay in the normal range; for bf16 (float32's exponent range)
 it is 1.
+
+``w_tiles`` writes w itself in the layout the same kernel's consumers read from shared memory
+(transposed, scaled, rows interleaved; see ``logits_hopper``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["split_weighted_q", "FP8_MAX"]
+__all__ = ["split_weighted_q", "w_tiles", "FP8_MAX"]
 
 FP8_MAX = 448.0
 _FP8 = getattr(torch, "float8_e4m3fn", None)
@@ -83,3 +86,34 @@ def split_weighted_q(q: torch.Tensor, w: torch.Tensor, terms: int,
             parts.stride(0), H=h, D=d, TERMS=terms,
             DTYPE_MAX=_ROW_MAX.get(q.dtype, 0.0), BLOCK_M=block_m)
     return parts, row_scale
+
+
+@triton.jit
+def _w_tiles_kernel(p_w, p_wt, M, stride_wm, stride_wh, stride_t, H: tl.constexpr,
+                    SCALE: tl.constexpr, BLOCK_M: tl.constexpr):
+    o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # within each 16 rows: 0, 8, 1, 9, ..., 7, 15
+    o_t = (o_m // 16) * 16 + (o_m % 8) * 2 + (o_m % 16) // 8
+    p_w_rows = p_w + o_m.to(tl.int64) * stride_wm
+    for h in range(H):
+        b_w = tl.load(p_w_rows + h * stride_wh, mask=o_m < M, other=0.0)
+        tl.store(p_wt + h * stride_t + o_t, b_w * SCALE)
+
+
+def w_tiles(w: torch.Tensor, scale: float, block_m: int) -> torch.Tensor:
+    """The weights as the sm_90 logits kernel's consumers read them: ``wt [H, M']`` float32,
+    M rounded up to ``block_m`` (a multiple of 16) with zeros, ``wt[h, t(i)] = scale * w[i, h]``
+    where t swaps row i's place within its 16 rows to 0, 8, 1, 9, ..., 7, 15. A thread of the
+    wgmma layout holds rows r and r + 8 of each 16, which then lie side by side."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"w must be float32 [M, H], got {w.dtype} {tuple(w.shape)}")
+    if block_m % 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two multiple of 16, got {block_m}")
+    m, h = w.shape
+    wt = torch.empty((h, triton.cdiv(m, block_m) * block_m), dtype=torch.float32,
+                     device=w.device)
+    if m:
+        _w_tiles_kernel[(triton.cdiv(m, block_m),)](
+            w, wt, m, w.stride(0), w.stride(1), wt.stride(0), H=h, SCALE=scale,
+            BLOCK_M=block_m)
+    return wt

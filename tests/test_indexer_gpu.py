@@ -11,6 +11,7 @@ tolerance is the dtype's (bf16 ~1e-2, fp8 e4m3 a few 1e-2; measured on the CPU f
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -114,7 +115,7 @@ def test_logits_and_topk_against_reference(dtype, h):
            rel_err_truth=err_truth, topk_valid_rows=int(valid.sum()), rows=m,
            agree_exact_mean=agree_exact.mean().item(), agree_exact_min=agree_exact.min().item(),
            agree_truth_mean=agree_truth.mean().item(), agree_truth_min=agree_truth.min().item(),
-           paths=torch.bincount(path.long(), minlength=4).tolist())
+           paths=topk_mod.path_counts(path))
     assert err_exact < EXACT_TOL[dtype]
     assert err_truth < TRUTH_TOL[dtype]
     assert valid.all(), "the top-k must be exact for the logits it was given"
@@ -124,21 +125,24 @@ def test_logits_and_topk_against_reference(dtype, h):
     assert agree_truth.mean().item() >= TRUTH_AGREE[dtype]
 
 
-def test_topk_long_rows_ties_and_paths():
+@pytest.mark.parametrize("sampled", [True, False])
+def test_topk_long_rows_ties_and_paths(sampled):
     m, n = 2048, 65536
     g = gen(7)
     x = torch.randn(m, n, generator=g, device="cuda")
     ks, ke = ragged_rows(m, n, g)
     x[5] = 1.0                                                  # all ties
     x[6] = torch.randint(0, 4, (n,), generator=g, device="cuda").float()
-    out, path = top_k_per_row(x, ks, ke, K, return_path=True)
+    cfg = dataclasses.replace(topk_mod.default_config(K), sampled=sampled)
+    out, path = top_k_per_row(x, ks, ke, K, config=cfg, return_path=True)
     valid = ref.topk_validity(x.double(), out, ks, ke, K)
-    counts = torch.bincount(path.long(), minlength=5).tolist()
-    report(test="topk", M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
+    counts = topk_mod.path_counts(path)
+    report(test="topk", sampled=sampled, M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
     assert valid.all()
     assert path[5].item() == path[6].item() == topk_mod.PATH_TIES  # > cand ties at the threshold
-    assert counts[topk_mod.PATH_RADIX] > m // 2
-    assert counts[topk_mod.PATH_REFINED] <= 10, "pass 1 should rarely need a second read"
+    # one read for most rows with the sampled threshold, two without
+    assert counts["sampled" if sampled else "radix"] > m // 2
+    assert counts["refined"] <= 10, "pass 1 should rarely need a second read"
 
 
 def make_paged(kv, kv_scale, kv_lens, page, g):
@@ -201,7 +205,7 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     per part, 2^-4 of the rest at fp8, 2^-8 at bf16."""
     need_hopper()
     ws = logits_mod.HopperConfig(*shape)
-    if not logits_mod.hopper.supports(dtype, d, ws):
+    if not logits_mod.hopper.supports(dtype, h, d, ws):
         pytest.skip(f"{ws} does not fit shared memory at {dtype}, D={d}")
     m, n, ratio, page = 1000, 3001, 2, 16
     g = gen(100 + h + d)

@@ -34,6 +34,7 @@ if not INTERPRETED:
 
 else:
     import contextlib
+    import dataclasses
 
     import torch
     import triton
@@ -46,9 +47,9 @@ else:
                          token_ranges, top_k_per_row)
     from indexer import reference as ref
     from indexer.logits_hopper import HopperConfig
-    from indexer.topk import (PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_SHORT, PATH_TIES,
-                              default_config, scratch_elems)
-    from indexer.weighted_q import FP8_MAX, split_weighted_q
+    from indexer.topk import (PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_SAMPLED, PATH_SHORT,
+                              PATH_TIES, default_config, scratch_elems)
+    from indexer.weighted_q import FP8_MAX, split_weighted_q, w_tiles
 
     FP32_TOL = 1e-5
 
@@ -232,12 +233,12 @@ else:
         ks, ke = ragged_rows(m, n, seed=22, lengths=lengths)
         _, path = check_topk(x, ks, ke, K)
         seen = set(path.tolist())
-        assert {PATH_SHORT, PATH_DIRECT, PATH_RADIX} <= seen, seen
+        assert {PATH_SHORT, PATH_DIRECT, PATH_SAMPLED} <= seen, seen
         direct_max = min(CPU_CFG.cand, 2 * CPU_CFG.runs * CPU_CFG.run)
         for i, length in enumerate(lengths):
-            want = (PATH_SHORT if length <= K else PATH_DIRECT if length <= direct_max
-                    else PATH_RADIX)
-            assert path[i].item() == want, (i, length, path[i].item())
+            want = ({PATH_SHORT} if length <= K else {PATH_DIRECT} if length <= direct_max
+                    else {PATH_SAMPLED, PATH_RADIX})
+            assert path[i].item() in want, (i, length, path[i].item())
 
     def test_topk_many_random_rows_and_strided_logits():
         m, n = 40, 600
@@ -314,13 +315,15 @@ else:
         x = torch.randn(m, n, generator=torch.Generator().manual_seed(35))
         ks, ke = ragged_rows(m, n, seed=36)
         cfg = TopkConfig(block=128, collect_block=collect_block * 4, cand=256, chunk=64, runs=8,
-                         run=4, z=3.0, stages=1, num_warps=1, programs_per_sm=1)
+                         run=4, z=3.0, stages=1, num_warps=1, programs_per_sm=1, sampled=False)
         _, path = check_topk(x, ks, ke, K, config=cfg)
         assert (path == PATH_RADIX).any(), path
 
-    def test_topk_negative_thresholds_compare_keys_positive_ones_bits():
+    @pytest.mark.parametrize("sampled", [True, False])
+    def test_topk_negative_thresholds_compare_keys_positive_ones_bits(sampled):
         # Pass 1 and 2 compare raw float bits when the window lies above zero and the
-        # order-preserving keys otherwise; both must give the same sets.
+        # order-preserving keys otherwise; both must give the same sets, collected by pass 1
+        # (sampled) or by pass 2.
         m, n = 12, 800
         g = torch.Generator().manual_seed(37)
         x = torch.randn(m, n, generator=g)
@@ -329,8 +332,25 @@ else:
         x[8:] = x[8:].abs() + 1.0                 # every entry positive
         ks = torch.zeros(m, dtype=torch.int32)
         ke = torch.full((m,), n, dtype=torch.int32)
-        _, path = check_topk(x, ks, ke, K)
-        assert (path == PATH_RADIX).all(), path
+        cfg = dataclasses.replace(CPU_CFG, sampled=sampled)
+        _, path = check_topk(x, ks, ke, K, config=cfg)
+        if sampled:
+            assert (path == PATH_SAMPLED).any(), path
+            assert ((path == PATH_SAMPLED) | (path == PATH_RADIX)).all(), path
+        else:
+            assert (path == PATH_RADIX).all(), path
+
+    def test_topk_sampled_pass_falls_back_to_pass_2_when_its_list_overflows():
+        # z = 8 puts the window's floor so low that pass 1 collects more than the list holds:
+        # the threshold bin still fits, so pass 2 collects it (two reads), with the same sets.
+        m, n = 12, 900
+        x = torch.randn(m, n, generator=torch.Generator().manual_seed(40))
+        x[:4] = x[:4].abs() * 1e3
+        ks, ke = ragged_rows(m, n, seed=41, lengths=[n] * 6 + [700] * 6)
+        _, low = check_topk(x, ks, ke, K, config=dataclasses.replace(CPU_CFG, z=8.0))
+        _, usual = check_topk(x, ks, ke, K)
+        assert (low == PATH_RADIX).sum() >= 9, low
+        assert (usual == PATH_SAMPLED).sum() > (low == PATH_SAMPLED).sum(), (usual, low)
 
     def test_topk_gpu_defaults_on_long_rows():
         # The GPU's config (8-entry pass 2 blocks a thread, 16-entry pass 1 blocks, a
@@ -344,7 +364,7 @@ else:
         ks = torch.tensor([0, 3, 0, 5], dtype=torch.int32)
         ke = torch.tensor([n, n - 7, n, 60000], dtype=torch.int32)
         _, path = check_topk(x, ks, ke, k, config=default_config(k, "cuda"))
-        assert path.tolist() == [PATH_RADIX, PATH_RADIX, PATH_TIES, PATH_RADIX]
+        assert path.tolist() == [PATH_SAMPLED, PATH_SAMPLED, PATH_TIES, PATH_SAMPLED]
 
     def test_topk_signs_zeros_and_infinities():
         n = 300
@@ -599,6 +619,24 @@ else:
             split_weighted_q(q, torch.ones(4, 2), 0)
         with pytest.raises(ValueError, match="contiguous last dimension"):
             split_weighted_q(q.transpose(1, 2), torch.ones(4, 32), 2)
+
+    @pytest.mark.parametrize("m,scale", [(37, 0.5), (64, 1.0), (1, 0.5)])
+    def test_w_tiles_transpose_scale_pad_and_interleave_rows(m, scale):
+        h = 6
+        wide = torch.randn(m, h + 3, generator=torch.Generator().manual_seed(m))
+        w = wide[:, 2:2 + h]                       # strided rows
+        wt = w_tiles(w, scale, 64)
+        assert wt.shape == (h, 64)
+        # within each 16 rows: 0, 8, 1, 9, ..., 7, 15; rows past M are zero
+        place = [i // 16 * 16 + i % 8 * 2 + i % 16 // 8 for i in range(64)]
+        assert sorted(place) == list(range(64))
+        want = torch.zeros(h, 64)
+        want[:, place[:m]] = w.t() * scale
+        assert torch.equal(wt, want)
+        with pytest.raises(ValueError, match="w must be float32"):
+            w_tiles(w.double(), scale, 64)
+        with pytest.raises(ValueError, match="block_m"):
+            w_tiles(w, scale, 48)
 
     def test_hopper_config_checks_its_values():
         assert repr(HopperConfig(6, 3, 3)) == "wgmma 64x384 s6 linear3"
