@@ -66,3 +66,21 @@ def test_bench_linear_terms_says_what_it_needs_without_an_sm90_gpu():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "needs an sm_90 GPU" in proc.stderr
+
+
+def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
+    """The program end to end on toy sizes in the interpreter: every config, both row kinds,
+    the same sets as torch.topk (it exits non-zero otherwise), and the sampled default taking
+    its one-read path on some rows."""
+    pytest.importorskip("rich")
+    out = tmp_path / "topk.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_topk.py"), "--smoke",
+                           "--rounds", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {r["rows"] for r in results} == {"full", "causal"}
+    assert len({r["config"] for r in results}) == 4
+    assert all(r["same_sets"] for r in results)
+    assert any(r["config"] == "default" and r["paths"]["sampled"] > 0 for r in results)
+    assert all(r["paths"]["sampled"] == 0 for r in results if r["config"].startswith("two"))
