@@ -24,11 +24,12 @@ Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output 
   one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``;
 * two or three consumer warpgroups (``HopperConfig.consumers``), each owning 128 of the
   tile's columns: per head, wait for the q tile, one ``64 x 128 x D`` wgmma, the head's
-  weights from shared memory, release the q tile, relu, weight, accumulate. All read the same q tile from shared memory, so each q byte
-  fetched from L2 feeds 256 or 384 columns. fp8 products take half as long as bf16 ones, so
-  two consumers' relus no longer fit under each other's products; a third keeps the tensor
-  cores fed (four warpgroups then share the register file; the few registers that spill are
-  outside the product loop).
+  weights from shared memory, release the q tile, relu, weight, accumulate. All read the same
+  q tile from shared memory, so each q byte fetched from L2 feeds 256 or 384 columns. fp8
+  products take half as long as bf16 ones, so two consumers' relus no longer fit under each
+  other's products; a third keeps the tensor cores fed (four warpgroups then share the
+  register file; the few registers that spill are outside the product loop but for one of the
+  first consumer's on Triton 3.6, which runs as the default partition under maxnreg).
 
 The linear half (``HopperConfig.linear_terms = k``, the fp8 default from 32 heads up):
 ``relu(s) w = (s w + |s| w) / 2``, and summed over the heads the first half is
@@ -44,7 +45,8 @@ accumulation dominates both). On an H200 it makes fp8 at 64 heads 3-4% faster (0
 they save. bf16, whose products take twice as long, gains 2% with two parts at ten times the
 error, and keeps a relu per head.
 
-What limits fp8 (an H200, ``benchmarks/RESULTS.md``): at the board's power limit the kernel
+What limited fp8 before the weights came from shared memory (an H200,
+``benchmarks/RESULTS.md``): at the board's power limit the kernel
 runs at a higher clock than ``torch._scaled_mm`` and does 0.75 of its work per cycle (0.72
 with a relu per head). With the linear half, issue is active 37% of the cycles and the tensor
 pipe about three quarters; the consumers' samples gather on the waits for their wgmma results.
@@ -99,9 +101,7 @@ if AVAILABLE:
     # Triton renamed these copies (3.6 has the old names, later versions only the new ones).
     _TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _CP_ASYNC = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    from triton.experimental.gluon.language._core import shared_memory_descriptor as _SMD
-
-    if hasattr(_SMD, "reinterpret"):
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
         @gluon.jit
         def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
             return buf.reinterpret(dtype, shape, layout)
@@ -242,9 +242,9 @@ if AVAILABLE:
 
     @gluon.jit
     def _producer(q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem, off_smem,
-                  q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv, p_ks, p_ke, M,
-                  N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
-                  stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
+                  q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv,
+                  p_ks, p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
+                  stride_sc_1, stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
                   STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
                   CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, TERMS: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]

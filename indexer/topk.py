@@ -28,10 +28,10 @@ that bin's entries are examined further. One persistent program works on one row
    plus b*'s own entries (~500-900 for a 65,536-entry row of normal, uniform, exponential
    or log-normal values) (``PATH_RADIX``).
 6. Select, from the list: entries above b* go to the output; b*'s entries are compacted to
-   the list's front (entries below b* are dropped) and narrowed by 32-bin histograms on their keys (5 bits a round, no
-   bisection) to the exact threshold key T and the number of its ties the top k takes; if
-   that is fewer than there are, the same rounds on the ties' indices find the index cut.
-   Then the entries above T and the ties up to the cut go to the output.
+   the list's front (those below b* dropped) and narrowed by 32-bin histograms on their keys
+   (5 bits a round, no bisection) to the exact threshold key T and the number of its ties
+   the top k takes; if that is fewer than there are, the same rounds on the ties' indices
+   find the index cut. Then the entries above T and the ties up to the cut go to the output.
 7. If b*'s entries do not fit in ``CAND``, pass 1 runs again with its bins spread over b*
    alone (each pass cuts the key range at least 3-fold, typically 6-fold) until they fit
    (``PATH_REFINED``), or until b* is a single key whose ties overflow: then one last pass
@@ -84,7 +84,7 @@ ROUND_BINS = tl.constexpr(32)     # bins of a sample or candidate round (tl.hist
 
 PATH_SHORT, PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_TIES, PATH_SAMPLED = 0, 1, 2, 3, 4, 5
 """Values of the per-row path record: at most k entries; whole row as the candidate list (one
-read); threshold bin found by pass 1 (two reads, three with a failed sampled read before);
+read); threshold bin found by pass 1, its entries collected by pass 2 (two reads);
 pass 1 repeated on the threshold bin (three reads or more); threshold bin a single key with
 more ties than fit, written by a tie pass; the sample's threshold held (one read)."""
 PATH_NAMES = ("short", "direct", "radix", "refined", "ties", "sampled")
