@@ -3,7 +3,10 @@
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
-#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer] [replay] [tp]
+#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer]
+#                           [indexer-goals] [topk] [replay] [tp]
+# (indexer-goals: the indexer benchmark without the config sweep, which compiles every
+# candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests)
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +55,9 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
       step llama $py benchmarks/bench_llama.py --json "$OUT/llama.json"
       step arena_micro $py benchmarks/bench_arena.py --pairs 1000000 --repeats 5 --json "$OUT/arena_micro.json" ;;
     indexer) step indexer_bench $py benchmarks/bench_indexer.py --json "$OUT/indexer.json" ;;
+    indexer-goals) step indexer_goals $py benchmarks/bench_indexer.py --no-sweep \
+                     --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;
+    topk) step topk_bench $py benchmarks/bench_topk.py --json "$OUT/topk.json" ;;
     tp) step tp_seed $py benchmarks/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     replay)
       step report_example $py benchmarks/report_example.py "$OUT/report"

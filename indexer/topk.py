@@ -1,4 +1,4 @@
-"""Per-row top-k over float32 logits in Triton: a histogram radix select that reads each row twice.
+"""Per-row top-k over float32 logits in Triton: a histogram radix select that reads most rows once.
 
 For row i the kernel returns the indices (relative to ``ks[i]``) of the ``k`` largest entries
 of ``logits[i, ks[i]:ke[i]]``, ``-1`` padding rows shorter than k. Order within a row is not by
@@ -539,7 +539,7 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
                 tl.store(p_dst + o_k, tl.where(o_k < length, o_k, -1), mask=o_k < K)
         elif length <= tl.minimum(CAND, 2 * RUNS * RUN):
             # Too short for a useful sample: select from the row itself. (Longer rows that
-            # would fit the list still take the passes: two reads of a short row cost less
+            # would fit the list still take the passes: a pass over a short row costs less
             # than narrowing all of it in the selection's rounds.)
             do_select = length > 0
             direct = length > 0
