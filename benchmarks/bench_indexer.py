@@ -260,24 +260,13 @@ class Bench:
         cfg = getattr(self, "topk_config", None)
         res = {"config": topk_name(cfg or topk_mod.default_config(self.K, self.device.type))}
         for causal in (False, True):
-            x = self.randn(self.M, self.N)
-            ks = torch.zeros(self.M, dtype=torch.int32, device=self.device)
-            if causal:
-                # torch.topk gets the same rows with -inf past each row's end
-                ke = causal_ends(self.M, self.N, self.device)
-                cols = torch.arange(self.N, device=self.device)
-                x = x.masked_fill(cols[None, :] >= ke[:, None], float("-inf"))
-            else:
-                ke = torch.full((self.M,), self.N, dtype=torch.int32, device=self.device)
+            x, ks, ke = topk_rows(self.randn(self.M, self.N), causal)
             out = torch.empty((self.M, self.K), dtype=torch.int32, device=self.device)
             t = self.ms(lambda: indexer.top_k_per_row(x, ks, ke, self.K, out, config=cfg))
             t_unsorted = self.ms(lambda: torch.topk(x, self.K, dim=1, sorted=False))
             t_sorted = self.ms(lambda: torch.topk(x, self.K, dim=1, sorted=True))
             _, path = indexer.top_k_per_row(x, ks, ke, self.K, out, config=cfg, return_path=True)
-            theirs = torch.topk(x, self.K, dim=1, sorted=False).indices
-            # a row shorter than k: torch fills up with -inf columns, the kernel with -1
-            theirs = torch.where(theirs < ke[:, None], theirs, -1)
-            same = torch.equal(out.long().sort(1).values, theirs.sort(1).values)
+            same = torch.equal(out.long().sort(1).values, torch_topk_sets(x, ke, self.K))
             valid = ref.topk_validity(x, out, ks, ke, self.K)
             rows = "causal rows" if causal else "full rows"
             self.row(f"topk {self.K}", f"{rows}: kernel", t, "ms")
@@ -427,6 +416,25 @@ def causal_ends(m: int, n: int, device) -> torch.Tensor:
     """Causal rows: the m queries of a prefill spread evenly over the n keys, row i seeing the
     first (i + 1) * n / m of them (half the pairs of full rows)."""
     return ((torch.arange(m, device=device, dtype=torch.int64) + 1) * n // m).to(torch.int32)
+
+
+def topk_rows(x: torch.Tensor, causal: bool):
+    """(x, ks, ke) for full rows of x, or causal ones (``causal_ends``) with -inf past each
+    row's end, so that torch.topk gets the same rows."""
+    m, n = x.shape
+    ks = torch.zeros(m, dtype=torch.int32, device=x.device)
+    if not causal:
+        return x, ks, torch.full((m,), n, dtype=torch.int32, device=x.device)
+    ke = causal_ends(m, n, x.device)
+    return x.masked_fill(torch.arange(n, device=x.device)[None, :] >= ke[:, None],
+                         float("-inf")), ks, ke
+
+
+def torch_topk_sets(x: torch.Tensor, ke: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk's index sets of the rows (ks = 0), sorted, as the kernel gives them: a row
+    shorter than k has its -inf columns as -1."""
+    theirs = torch.topk(x, k, dim=1, sorted=False).indices
+    return torch.where(theirs < ke[:, None], theirs, -1).sort(1).values
 
 
 def memory(arena_installed: bool, smoke: bool) -> dict:

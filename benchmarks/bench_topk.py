@@ -57,7 +57,7 @@ def main():
     from rich.console import Console
     from rich.table import Table
 
-    from bench_indexer import causal_ends
+    from bench_indexer import topk_rows, torch_topk_sets
     from indexer import topk
 
     if args.smoke:
@@ -83,17 +83,9 @@ def main():
         table.add_column(col)
     results = []
     for causal in (False, True):
-        x = torch.randn(m, n, generator=gen, device=device)
-        ks = torch.zeros(m, dtype=torch.int32, device=device)
-        if causal:
-            ke = causal_ends(m, n, device)
-            x = x.masked_fill(torch.arange(n, device=device)[None, :] >= ke[:, None],
-                              float("-inf"))
-        else:
-            ke = torch.full((m,), n, dtype=torch.int32, device=device)
+        x, ks, ke = topk_rows(torch.randn(m, n, generator=gen, device=device), causal)
         out = torch.empty((m, k), dtype=torch.int32, device=device)
-        theirs = torch.topk(x, k, dim=1, sorted=False).indices
-        theirs = torch.where(theirs < ke[:, None], theirs, -1).sort(1).values
+        theirs = torch_topk_sets(x, ke, k)
         fns, facts = {}, {}
         for label, cfg in cfgs.items():
             fns[label] = lambda cfg=cfg: topk.top_k_per_row(x, ks, ke, k, out, config=cfg,
