@@ -492,16 +492,27 @@ def parse_topk_config(text, k=2048):
     """``field=value,...`` over TopkConfig's fields; the rest come from default_config(k)."""
     if not text:
         return None
+    defaults = topk_mod.default_config(k)
     fields = [f.name for f in dataclasses.fields(TopkConfig)]
     values = {}
     for item in text.split(","):
         name, _, value = item.partition("=")
-        name = name.strip()
+        name, value = name.strip(), value.strip()
         if name not in fields or not value:
             raise SystemExit(f"--topk-config: expected field=value with field one of "
                              f"{', '.join(fields)}, got {item!r}")
-        values[name] = float(value) if name == "z" else int(value)
-    return dataclasses.replace(topk_mod.default_config(k), **values)
+        kind = type(getattr(defaults, name))
+        if kind is bool:
+            if value not in ("True", "False"):
+                raise SystemExit(f"--topk-config: {name} takes True or False, got {value!r}")
+            values[name] = value == "True"
+        else:
+            try:
+                values[name] = kind(value)
+            except ValueError:
+                raise SystemExit(f"--topk-config: {name} takes a {kind.__name__}, "
+                                 f"got {value!r}") from None
+    return dataclasses.replace(defaults, **values)
 
 
 def print_table(rows):

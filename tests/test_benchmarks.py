@@ -4,6 +4,7 @@ samples, and the linear-terms benchmark's refusal to run without an sm_90 GPU. T
 nothing here; what is checked is that the programs run and report what RESULTS.md quotes from
 them."""
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -34,13 +35,29 @@ def test_bench_indexer_smoke_reports_every_section(tmp_path):
     assert ("prefill", "host time a call (median)") in cases
 
 
-def _bench_clocks():
-    pytest.importorskip("rich")
-    spec = importlib.util.spec_from_file_location("bench_clocks",
-                                                  ROOT / "benchmarks" / "bench_clocks.py")
+def _bench_module(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_bench_indexer_topk_config_text_round_trips():
+    """The parent hands its top-k config to the arena run's process as text: every field,
+    the boolean one included, must come back as it was."""
+    pytest.importorskip("triton")
+    bench = _bench_module("bench_indexer")
+    default = bench.topk_mod.default_config(2048)
+    for cfg in (default, dataclasses.replace(default, sampled=False, z=2.5, stages=3)):
+        assert bench.parse_topk_config(bench.topk_config_text(cfg), 2048) == cfg
+    for bad in ("sampled=yes", "stages=three", "colour=4", "block="):
+        with pytest.raises(SystemExit, match="--topk-config"):
+            bench.parse_topk_config(bad, 2048)
+
+
+def _bench_clocks():
+    pytest.importorskip("rich")
+    return _bench_module("bench_clocks")
 
 
 def test_bench_clocks_reads_nvidia_smi_samples(tmp_path):
