@@ -11,7 +11,8 @@ Prints one table and writes it as JSON:
   [ks, ke)), bf16 and fp8, full rows and causal rows (row i sees the first (i+1)*N/M keys: the
   queries of a prefill spread over the kv, half the pairs), beside the ceiling and the float32
   torch reference; goals: bf16 >= 95% of matmul, fp8 >= 90% of _scaled_mm, causal >= 1.8x
-  faster than full;
+  faster than full. Each dtype's cases and its ceiling are timed in turn over five rounds;
+  a fraction of the ceiling is the median of the rounds' fractions;
 - top-k of 2048 per row over [4096, 65536] float32 logits against torch.topk (goal >= 4x,
   identical sets);
 - one indexer layer's chunked prefill of a 254,000-token prompt in 3,200-token chunks (fp8,
@@ -88,6 +89,7 @@ from indexer import reference as ref  # noqa: E402
 from indexer import logits as logits_mod  # noqa: E402
 from indexer import topk as topk_mod  # noqa: E402
 FP8 = torch.float8_e4m3fn
+ROUNDS = 5              # rounds of the logits cases and their ceiling, timed in turn
 
 
 class Bench:
@@ -148,32 +150,38 @@ class Bench:
         return q, kv, scale.float(), w, ks, ke, pairs
 
     # -- sections -------------------------------------------------------------------------------
-    def ceilings(self):
+    def ceiling_products(self):
+        """{dtype name: (a function running the product, its FLOPs)} for the ceilings."""
         n = self.mm
-        flops = 2 * n ** 3
         a, b = self.randn(n, n), self.randn(n, n)
         if self.smoke:
-            t = self.ms(lambda: a @ b)
-            self.results["ceiling_tflops"] = {"float32": flops / t / 1e9}
-            self.row("ceiling", "float32 torch.matmul", flops / t / 1e9, "TFLOP/s")
-            return
+            return {"float32": (lambda: a @ b, 2 * n ** 3)}
         a16, b16 = a.bfloat16(), b.bfloat16()
-        t = self.ms(lambda: torch.matmul(a16, b16))
-        self.results["ceiling_tflops"] = {"bf16": flops / t / 1e9}
-        self.row("ceiling", f"bf16 torch.matmul {n}^3", flops / t / 1e9, "TFLOP/s")
         a8, b8 = a.to(FP8), b.to(FP8).t()            # _scaled_mm wants b column-major
         one = torch.ones((), device=self.device)
-        t = self.ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
-                                             out_dtype=torch.bfloat16, use_fast_accum=True))
-        self.results["ceiling_tflops"]["fp8"] = flops / t / 1e9
-        self.row("ceiling", f"fp8 torch._scaled_mm {n}^3", flops / t / 1e9, "TFLOP/s")
+        return {"bf16": (lambda: torch.matmul(a16, b16), 2 * n ** 3),
+                "fp8": (lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one,
+                                                 out_dtype=torch.bfloat16, use_fast_accum=True),
+                        2 * n ** 3)}
 
-    def _logits_tflops(self, args, pairs, config=None, clean=True):
+    def ceilings(self):
+        self.products = self.ceiling_products()
+        self.results["ceiling_tflops"] = {}
+        for name, (fn, flops) in self.products.items():
+            tf = flops / self.ms(fn) / 1e9
+            self.results["ceiling_tflops"][name] = tf
+            what = "torch._scaled_mm" if name == "fp8" else "torch.matmul"
+            self.row("ceiling", f"{name} {what} {self.mm}^3", tf, "TFLOP/s")
+
+    def _logits_call(self, args, config=None, clean=True):
         q, kv, scale, w, ks, ke = args
         out = torch.empty((self.M, row_stride_elems(self.N)), dtype=torch.float32,
                           device=self.device)[:, :self.N]
-        t = self.ms(lambda: indexer.mqa_logits(q, kv, scale, w, ks, ke, out, clean=clean,
-                                               config=config))
+        return lambda: indexer.mqa_logits(q, kv, scale, w, ks, ke, out, clean=clean,
+                                          config=config)
+
+    def _logits_tflops(self, args, pairs, config=None):
+        t = self.ms(self._logits_call(args, config))
         return 2 * pairs * self.H * self.D / t / 1e9, t
 
     def sweep(self):
@@ -218,39 +226,58 @@ class Bench:
         self.results["sweep"] = out
 
     def logits(self):
-        ceil = self.results.get("ceiling_tflops", {})
+        """Full rows, causal rows (clean and not) and the dtype's ceiling, timed in turn over
+        ROUNDS rounds: the GPU's clock follows its temperature and power, so a ceiling timed
+        minutes apart (cooler, at the run's start) would not be the kernel's."""
+        products = getattr(self, "products", None) or self.ceiling_products()
+        rounds = 1 if self.smoke else ROUNDS
         res = {}
         for dtype in self.dtypes:
             name = dtype_name(dtype)
-            c = ceil.get(name)
-            entry = {}
-            for causal in (False, True):
-                q, kv, scale, w, ks, ke, pairs = self.inputs(dtype, causal)
-                args = (q, kv, scale, w, ks, ke)
-                tf, t = self._logits_tflops(args, pairs)
+            product, product_flops = products[name]
+            full, causal = self.inputs(dtype, causal=False), self.inputs(dtype, causal=True)
+            cases = {"ceiling": product,
+                     "full": self._logits_call(full[:6]),
+                     "causal": self._logits_call(causal[:6]),
+                     "causal_unclean": self._logits_call(causal[:6], clean=False)}
+            times = {case: [] for case in cases}
+            for _ in range(rounds):
+                for case, fn in cases.items():
+                    times[case].append(self.ms(fn, rep=100))
+            med = {case: statistics.median(t) for case, t in times.items()}
+            flops = {"full": 2 * full[6] * self.H * self.D,
+                     "causal": 2 * causal[6] * self.H * self.D}
+            flops["causal_unclean"] = flops["causal"]
+            c = product_flops / med["ceiling"] / 1e9
+            # per round: the kernel against the ceiling of the same round
+            frac = {case: statistics.median(flops[case] / t / (product_flops / tc)
+                                            for t, tc in zip(times[case], times["ceiling"]))
+                    for case in flops}
+            speed = statistics.median(tf / tc for tf, tc in zip(times["full"], times["causal"]))
+            goal = {torch.bfloat16: 0.95, FP8: 0.90}.get(dtype)
+            self.row(f"logits {name}", "ceiling, in the same rounds", c, "TFLOP/s")
+            entry = {"ceiling_tflops": c, "rounds": rounds, "times_ms": times}
+            for case, rows in (("full", "full rows"), ("causal", "causal rows")):
+                q, kv, scale, w, ks, ke, pairs = full if case == "full" else causal
+                tf = flops[case] / med[case] / 1e9
+                self.row(f"logits {name}", rows, tf, "TFLOP/s", f"ceiling {name}", frac[case],
+                         f">= {goal:.0%} of ceiling" if (goal and case == "full") else "",
+                         (frac[case] >= goal) if (goal and case == "full") else None)
                 t_ref = self.ms(lambda: ref.logits(q, kv, scale, w, ks, ke, dtype=torch.float32,
                                                    max_temp_bytes=2 << 30), rep=50)
-                rows = "causal rows" if causal else "full rows"
-                goal = {torch.bfloat16: 0.95, FP8: 0.90}.get(dtype)
-                self.row(f"logits {name}", rows, tf, "TFLOP/s", f"ceiling {name}",
-                         tf / c if c else None,
-                         f">= {goal:.0%} of ceiling" if (goal and not causal) else "",
-                         (tf / c >= goal) if (c and goal and not causal) else None)
-                ref_tf = 2 * pairs * self.H * self.D / t_ref / 1e9
+                ref_tf = flops[case] / t_ref / 1e9
                 self.row(f"logits {name}", f"{rows}: torch reference (fp32)", ref_tf,
-                         "TFLOP/s", "kernel/ref time", t_ref / t)
-                entry["causal" if causal else "full"] = dict(
-                    ms=t, tflops=tf, pairs=pairs, fraction_of_ceiling=tf / c if c else None,
-                    reference_ms=t_ref, reference_tflops=ref_tf)
-                if causal:
-                    _, t_unclean = self._logits_tflops(args, pairs, clean=False)
-                    entry["causal"]["ms_unclean"] = t_unclean
-                    speed = entry["full"]["ms"] / t
-                    self.row(f"logits {name}", "causal speedup over full (time)", speed, "x",
-                             "", None, ">= 1.8x", speed >= 1.8)
-                    self.row(f"logits {name}", "causal, clean=False (driver's mode)",
-                             2 * pairs * self.H * self.D / t_unclean / 1e9, "TFLOP/s")
-                    entry["causal_speedup"] = speed
+                         "TFLOP/s", "kernel/ref time", t_ref / med[case])
+                entry[case] = dict(ms=med[case], tflops=tf, pairs=pairs,
+                                   fraction_of_ceiling=frac[case], reference_ms=t_ref,
+                                   reference_tflops=ref_tf)
+            entry["causal"]["ms_unclean"] = med["causal_unclean"]
+            entry["causal_speedup"] = speed
+            self.row(f"logits {name}", "causal speedup over full (time)", speed, "x",
+                     "", None, ">= 1.8x", speed >= 1.8)
+            self.row(f"logits {name}", "causal, clean=False (driver's mode)",
+                     flops["causal"] / med["causal_unclean"] / 1e9, "TFLOP/s",
+                     f"ceiling {name}", frac["causal_unclean"])
             entry["config"] = str(logits_mod.default_config(dtype, self.H, self.D,
                                                             device=self.device.type))
             res[name] = entry

@@ -172,36 +172,88 @@ if AVAILABLE:
 if AVAILABLE:
 
     @gluon.jit
-    def _next_tile(t, num_tiles, p_ks, p_ke, p_out, M, N, stride_om, col0,
-                   BM: gl.constexpr, BN: gl.constexpr, WIDTH: gl.constexpr, CLEAN: gl.constexpr,
-                   FILL: gl.constexpr):
-        """The first tile among t, t + num_programs, ... with a column inside some row's
-        [ks, ke) (num_tiles if none). With CLEAN, the skipped tiles' columns
-        [col0, col0 + WIDTH) get -inf."""
-        ROWS: gl.constexpr = gl.SliceLayout(1, FILL)
-        COLS: gl.constexpr = gl.SliceLayout(0, FILL)
-        step = gl.num_programs(0)
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _block_ranges(r0, p_ks, p_ke, M, N, BM: gl.constexpr, BN: gl.constexpr,
+                      G: gl.constexpr, L: gl.constexpr):
+        """For the row blocks r0 .. r0 + G - 1: the column blocks [lo, lo + cnt) that hold a
+        column inside some row's [ks, ke) (cnt = 0 for a block with none, or past M)."""
+        o_g = r0 + gl.arange(0, G, layout=gl.SliceLayout(1, L))
+        o_m = o_g[:, None] * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, L))[None, :]
+        m_m = o_m < M
+        b_ks = gl.load(p_ks + o_m, mask=m_m, other=0)
+        b_ke = gl.load(p_ke + o_m, mask=m_m, other=0)
+        m_row = m_m & (b_ke > b_ks)
+        n_lo = gl.maximum(gl.min(gl.where(m_row, b_ks, N), axis=1), 0)
+        n_hi = gl.max(gl.where(m_row, b_ke, 0), axis=1)
+        lo = n_lo // BN
+        hi = gl.minimum((n_hi + BN - 1) // BN, gl.cdiv(N, BN))
+        return lo, gl.maximum(hi - lo, 0)
+
+    @gluon.jit
+    def _seek(target, r, base, lo, cnt, p_ks, p_ke, M, N, BM: gl.constexpr,
+              BN: gl.constexpr, ACTIVE: gl.constexpr, NW: gl.constexpr):
+        """Moves a cursor over the row blocks forward to the one that holds the target-th
+        tile of a kind, tiles counted row block by row block: ACTIVE, those with a column
+        inside some row's [ks, ke); else the others. The cursor: row block r, the tiles of
+        the kind in the blocks before it (base), r's active column blocks [lo, lo + cnt).
+        r = cdiv(M, BM) once there is no such tile; r = -1 (base, lo, cnt 0) starts a walk.
+        Row blocks are read G at a time, so that a long way (many row blocks a step when N is
+        short) takes few dependent loads."""
+        G: gl.constexpr = 8 * 32 * NW // BM
+        L: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [NW, 1], [1, 0])
+        LG: gl.constexpr = gl.BlockedLayout([G], [32], [NW], [0])
         num_n = gl.cdiv(N, BN)
-        keep = t < num_tiles
-        while keep:
-            o_m = (t // num_n) * BM + gl.arange(0, BM, layout=ROWS)
-            n_0 = (t % num_n) * BN
-            m_m = o_m < M
-            b_ks = gl.load(p_ks + o_m, mask=m_m, other=0)
-            b_ke = gl.load(p_ke + o_m, mask=m_m, other=0)
-            m_row = m_m & (b_ke > b_ks)
-            n_lo = gl.min(gl.where(m_row, b_ks, 2147483647), axis=0)
-            n_hi = gl.max(gl.where(m_row, b_ke, 0), axis=0)
-            skip = (n_0 >= n_hi) | (n_0 + BN <= n_lo)
-            if CLEAN:
-                if skip:
-                    o_n = n_0 + col0 + gl.arange(0, WIDTH, layout=COLS)
-                    p = p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
-                    gl.store(p, gl.full([BM, WIDTH], float("-inf"), gl.float32, FILL),
-                             mask=m_m[:, None] & (o_n < N)[None, :])
-            t = gl.where(skip, t + step, t)
-            keep = skip & (t < num_tiles)
-        return gl.minimum(t, num_tiles)
+        num_r = gl.cdiv(M, BM)
+        here = gl.where(r < 0, 0, cnt if ACTIVE else num_n - cnt)
+        if (r < num_r) & (base + here <= target):
+            base += here
+            r += 1
+            keep = r < num_r
+            while keep:
+                g_lo, g_cnt = _block_ranges(r, p_ks, p_ke, M, N, BM, BN, G, L)
+                # each thread holds all G (a scan across the load's layout is not lowered)
+                g_lo = gl.convert_layout(g_lo, LG)
+                g_cnt = gl.convert_layout(g_cnt, LG)
+                o_g = gl.arange(0, G, layout=LG)
+                g_here = g_cnt if ACTIVE else num_n - g_cnt
+                g_here = gl.where(r + o_g < num_r, g_here, 0)
+                g_incl = gl.associative_scan(g_here, 0, _add)
+                # the first of the G blocks whose tiles reach the target (G: none does)
+                g = gl.min(gl.where(base + g_incl > target, o_g, G), axis=0)
+                base += gl.sum(gl.where(o_g < g, g_here, 0), axis=0)
+                lo = gl.sum(gl.where(o_g == g, g_lo, 0), axis=0)
+                cnt = gl.sum(gl.where(o_g == g, g_cnt, 0), axis=0)
+                r = gl.minimum(r + g, num_r)
+                keep = (g == G) & (r < num_r)
+        return r, base, lo, cnt
+
+    @gluon.jit
+    def _tile_at(target, r, base, lo, cnt, N, BN: gl.constexpr, ACTIVE: gl.constexpr):
+        """The tile (row block * column blocks + column block) that _seek's cursor points
+        at: active tiles lie at [lo, lo + cnt) of their row block, the others around them."""
+        i = target - base
+        if ACTIVE:
+            c = lo + i
+        else:
+            c = gl.where(i < lo, i, i + cnt)
+        return r * gl.cdiv(N, BN) + c
+
+    @gluon.jit
+    def _fill(t, row0, row1, p_out, M, N, stride_om, BM: gl.constexpr, BN: gl.constexpr,
+              PN: gl.constexpr, ROW: gl.constexpr):
+        """-inf into rows [row0, row1) of tile t, PN columns at a time (the producer warp has
+        few registers)."""
+        num_n = gl.cdiv(N, BN)
+        m_0 = (t // num_n) * BM
+        b_inf = gl.full([PN], float("-inf"), gl.float32, ROW)
+        for i in range(row0, gl.minimum(row1, gl.minimum(BM, M - m_0))):
+            p_row = p_out + (m_0 + i).to(gl.int64) * stride_om
+            for c in gl.static_range(BN // PN):
+                o_n = (t % num_n) * BN + c * PN + gl.arange(0, PN, layout=ROW)
+                gl.store(p_row + o_n, b_inf, mask=o_n < N)
 
     @gluon.jit
     def _gather_kv(n_0, kv_buf, off_smem, p_kv, p_block_table, p_cu_kv, N, num_reqs, n_steps,
@@ -243,24 +295,36 @@ if AVAILABLE:
     @gluon.jit
     def _producer(q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem, off_smem,
                   q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv,
-                  p_ks, p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
-                  stride_sc_1, stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
-                  STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
-                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, TERMS: gl.constexpr):
+                  p_ks, p_ke, p_out, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
+                  stride_sc_0, stride_sc_1, stride_om, stride_bt, H: gl.constexpr,
+                  D: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
+                  PAGE: gl.constexpr, CHUNK: gl.constexpr, KV_LOAD: gl.constexpr,
+                  TERMS: gl.constexpr, CLEAN: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         PN: gl.constexpr = kv_smem.type.shape[1]
         BN: gl.constexpr = NC * PN
         NCP: gl.constexpr = kv_smem.type.shape[0] // 2
         NW: gl.constexpr = gl.num_warps()
-        FILL: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [NW, 1], [1, 0])
         ROWS_P: gl.constexpr = gl.BlockedLayout([PN // (32 * NW)], [32], [NW], [0])
         num_n = gl.cdiv(N, BN)
-        num_tiles = gl.cdiv(M, BM) * num_n
-        t = _next_tile(gl.program_id(0), num_tiles, p_ks, p_ke, p_ks, M, N, 0, 0, BM, BN, 1,
-                       False, FILL)
+        num_r = gl.cdiv(M, BM)
+        # The active tiles (a column inside some row's [ks, ke)) counted in order, program p
+        # takes the p-th, (p + programs)-th, ...: as many as any other, give or take one.
+        a = gl.program_id(0)
+        zero = a * 0
+        r, base, lo, cnt = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN,
+                                 True, NW)
+        if CLEAN:
+            # The other tiles get -inf from this warp, which mostly waits for the ring: one a
+            # step while there are active ones, its rows spread over the step's heads.
+            ROW: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
+            FILL_ROWS: gl.constexpr = (BM + H - 1) // H
+            ri, base_i, lo_i, cnt_i = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N,
+                                            BM, BN, False, NW)
         s = 0
         j = 0
-        while t < num_tiles:
+        while r < num_r:
+            t = _tile_at(a, r, base, lo, cnt, N, BN, True)
             b = j % 2
             mbarrier.wait(kv_empty.index(b), ((j // 2) & 1) ^ 1)
             n_0 = (t % num_n) * BN
@@ -291,6 +355,9 @@ if AVAILABLE:
                     _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
                               kv_smem.index(b * NCP + c))
             _TMA_LOAD(w_desc, [0, m_0], kv_full.index(b), w_smem.index(b))
+            if CLEAN:
+                t_fill = gl.where(ri < num_r, _tile_at(a, ri, base_i, lo_i, cnt_i, N, BN, False),
+                                  num_r * num_n)
             # The parts of the weighted q first (when the linear half is taken apart), then
             # the heads, all through the one ring.
             for k in gl.static_range(TERMS):
@@ -305,15 +372,30 @@ if AVAILABLE:
                 mbarrier.expect(q_full.index(st), q_desc.block_type.nbytes)
                 _TMA_LOAD(q_desc, [m_0, h * D], q_full.index(st), q_smem.index(st))
                 s += 1
-            t = _next_tile(t + gl.num_programs(0), num_tiles, p_ks, p_ke, p_ks, M, N, 0, 0, BM,
-                           BN, 1, False, FILL)
+                if CLEAN:
+                    # a few rows a head: the ring is never left unfed for long
+                    if t_fill < num_r * num_n:
+                        _fill(t_fill, h * FILL_ROWS, (h + 1) * FILL_ROWS, p_out, M, N,
+                              stride_om, BM, BN, PN, ROW)
+            if CLEAN:
+                if ri < num_r:
+                    ri, base_i, lo_i, cnt_i = _seek(a + gl.num_programs(0), ri, base_i, lo_i,
+                                                    cnt_i, p_ks, p_ke, M, N, BM, BN, False, NW)
+            a += gl.num_programs(0)
+            r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, True, NW)
             j += 1
+        if CLEAN:
+            while ri < num_r:
+                _fill(_tile_at(a, ri, base_i, lo_i, cnt_i, N, BN, False), 0, BM, p_out, M, N,
+                      stride_om, BM, BN, PN, ROW)
+                a += gl.num_programs(0)
+                ri, base_i, lo_i, cnt_i = _seek(a, ri, base_i, lo_i, cnt_i, p_ks, p_ke, M, N,
+                                                BM, BN, False, NW)
 
     @gluon.jit
     def _consumer(q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full, kv_empty, p_ks,
                   p_ke, p_out, p_row_scale, M, N, stride_om, H: gl.constexpr, NC: gl.constexpr,
-                  PART: gl.constexpr, CLEAN: gl.constexpr, TERMS: gl.constexpr,
-                  W_ROW: gl.constexpr):
+                  PART: gl.constexpr, TERMS: gl.constexpr, W_ROW: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -325,17 +407,25 @@ if AVAILABLE:
             instr_shape=[16, PN, 256 // q_smem.dtype.primitive_bitwidth])
         ROWS: gl.constexpr = gl.SliceLayout(1, MMA)
         COLS: gl.constexpr = gl.SliceLayout(0, MMA)
-        FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
         num_n = gl.cdiv(N, BN)
-        num_tiles = gl.cdiv(M, BM) * num_n
+        num_r = gl.cdiv(M, BM)
+        step = gl.num_programs(0)
         # The product's accumulator input is ignored (use_acc=False); passing the previous,
         # dead product lets the new one take its registers instead of holding a zero tile.
         b_s = gl.zeros([BM, PN], gl.float32, MMA)
-        t = _next_tile(gl.program_id(0), num_tiles, p_ks, p_ke, p_out, M, N, stride_om,
-                       PART * PN, BM, BN, PN, CLEAN, FILL)
+        # The producer's walk over the active tiles (see there), with less to carry across
+        # the product loop: tile t = a + off while a < end (the row block's last active
+        # tile + 1); once the walk is over, t >= the tiles' count.
+        a = gl.program_id(0)
+        zero = a * 0
+        r, base, lo, cnt = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN,
+                                 True, NW)
+        off = r * num_n + lo - base
+        end = base + cnt
+        t = a + off
         s = 0
-        j = 0
-        while t < num_tiles:
+        while t < num_r * num_n:
+            j = s // (H + TERMS)         # tiles done: one register less across the products
             b = j % 2
             mbarrier.wait(kv_full.index(b), (j // 2) & 1)
             # Paged kv rows came through cp.async (generic proxy); wgmma reads through the
@@ -387,9 +477,15 @@ if AVAILABLE:
             b_out = gl.where(m_in, acc * b_scale[None, :], float("-inf"))
             gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :], b_out,
                      mask=m_m[:, None] & (o_n < N)[None, :])
-            t = _next_tile(t + gl.num_programs(0), num_tiles, p_ks, p_ke, p_out, M, N,
-                           stride_om, PART * PN, BM, BN, PN, CLEAN, FILL)
-            j += 1
+            a = t - off + step
+            if a >= end:
+                # (as if t's row block had no active tile and `end` before it: the seek
+                # moves on from the next one)
+                r, base, lo, cnt = _seek(a, t // num_n, end, zero, zero, p_ks, p_ke, M, N,
+                                         BM, BN, True, NW)
+                off = r * num_n + lo - base
+                end = base + cnt
+            t = a + off
 
     @gluon.jit
     def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, p_kv, p_kv_scale, p_ks, p_ke,
@@ -426,32 +522,34 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(0), TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(1), TERMS, W_ROW)),
                 (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
                              off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
-                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
-                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
+                             p_block_table, p_cu_kv, p_ks, p_ke, p_out, M, N, num_reqs,
+                             n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
+                             stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE, CHUNK,
+                             KV_LOAD, TERMS, CLEAN)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(0), TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(1), TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(2), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(2), TERMS, W_ROW)),
                 (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
                              off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
-                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
-                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
+                             p_block_table, p_cu_kv, p_ks, p_ke, p_out, M, N, num_reqs,
+                             n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
+                             stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE, CHUNK,
+                             KV_LOAD, TERMS, CLEAN)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 

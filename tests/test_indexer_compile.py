@@ -202,8 +202,8 @@ def compile_hopper_kernel(dtype, d, h, paged, cfg):
 
 
 # The configs the defaults and the sweep choose from: their product loops must hold no spill
-# loads or stores but for one register of the default partition's (elsewhere a few do no
-# harm). With the linear half taken apart, a head costs one FFMA an element and no FMNMX.
+# loads or stores (elsewhere a few do no harm), but for the one case below. With the linear
+# half taken apart, a head costs one FFMA an element and no FMNMX.
 @pytest.mark.parametrize("dtype,stages,consumers,linear", [
     (torch.bfloat16, 3, 2, 0), (torch.float8_e4m3fn, 4, 2, 0), (torch.float8_e4m3fn, 6, 3, 0),
     (torch.float8_e4m3fn, 6, 3, 3), (torch.float8_e4m3fn, 4, 2, 3)])
@@ -225,10 +225,13 @@ def test_hopper_logits_kernel_compiles_with_partitions_and_wgmma(dtype, stages, 
     # One product loop per consumer (ptxas may keep a second copy of a loop).
     assert len(loops) >= consumers, f"found {len(loops)} product loops"
     spills = sorted(spill_ops(body) for body in loops)
-    # The first consumer runs as the default partition, which ptxas fits in maxnreg (128 at 3
-    # consumers) rather than the workers' setmaxnreg count: on Triton 3.6 its loop keeps one
-    # register in local memory (a store and a load a head). Every other loop holds none.
-    assert spills[-1] <= 2 and sum(spills[:-1]) == 0, (
+    # No loop spills on Triton 3.6 (the version benchmarked). Triton 3.9's ptxas keeps one of
+    # a thread's row offsets in local memory in the workers' loops of fp8 with a relu per
+    # head at three consumers (a store and two loads a head of ~170 instructions).
+    tight = dtype == torch.float8_e4m3fn and consumers == 3 and not linear
+    newer = tuple(int(v) for v in triton.__version__.split(".")[:2]) > (3, 6)
+    limit = 3 if tight and newer else 0
+    assert spills[-1] <= limit, (
         f"spill loads/stores per product loop {spills} ({resources(kernel)})")
     for body in loops:
         ops = " ".join(body)

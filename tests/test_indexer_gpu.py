@@ -249,6 +249,75 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     assert torch.equal(paged, out)
 
 
+def block_rows(m, n, g, block=64):
+    """Rows whose ranges change by 64-row block (the sm_90 kernel's tile height), so that
+    whole tiles lie outside every range: a causal staircase, empty blocks, a window in the
+    middle (skipped tiles on both sides) and a tail."""
+    i = torch.arange(m, device="cuda")
+    kind = (i // block) % 4
+    jitter = torch.randint(0, max(1, n // 50), (m,), generator=g, device="cuda")
+    width = torch.randint(0, max(2, n // 5), (m,), generator=g, device="cuda")
+    ks = torch.zeros(m, dtype=torch.int64, device="cuda")
+    ke = (i + 1) * n // m
+    ks = torch.where(kind == 1, n // 2, ks)
+    ke = torch.where(kind == 1, n // 2, ke)
+    ks = torch.where(kind == 2, n // 3 + jitter, ks)
+    ke = torch.where(kind == 2, n // 3 + jitter + width, ke)
+    ks = torch.where(kind == 3, (n - n // 10 - jitter).clamp(min=0), ks)
+    ke = torch.where(kind == 3, n, ke)
+    return ks.to(torch.int32), ke.clamp(max=n).to(torch.int32)
+
+
+def active_tiles(ks, ke, n, block_m, block_n):
+    """[M, N] bool: the entries of tiles (block_m x block_n) that hold a column inside some
+    row's [ks, ke): the tiles the sm_90 kernel computes; it skips the others."""
+    m = ks.shape[0]
+    cols = torch.arange(n, device=ks.device)
+    inside = (cols[None, :] >= ks[:, None]) & (cols[None, :] < ke[:, None])
+    pad = -m % block_m
+    inside = torch.nn.functional.pad(inside, (0, -n % block_n, 0, pad))
+    tiles = inside.view(inside.shape[0] // block_m, block_m, -1, block_n).any(3).any(1)
+    return tiles.repeat_interleave(block_m, 0).repeat_interleave(block_n, 1)[:m, :n]
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.bfloat16, (3, 2)), (FP8, (6, 3, 3))],
+                         ids=["bf16", "fp8"])
+@pytest.mark.parametrize("m,n", [(4000, 5001), (20000, 300)], ids=["wide", "tall"])
+def test_hopper_kernel_balanced_walk_skips_and_cleans_tiles(dtype, shape, m, n):
+    """The sm_90 kernel's programs take the active tiles in turn, row blocks read in groups:
+    many tiles a program ("wide"), and many row blocks a step with N shorter than a tile
+    ("tall"), on rows whose ranges leave whole tiles outside. Every active tile is computed
+    (against the portable kernel), clean=True writes -inf exactly outside [ks, ke), and
+    clean=False leaves the skipped tiles as they were."""
+    need_hopper()
+    h, d = 64, 128
+    ws = logits_mod.HopperConfig(*shape)
+    g = gen(7 + m)
+    q, kv, row_scale = quantize(torch.randn(m, h, d, generator=g, device="cuda"),
+                                torch.randn(n, d, generator=g, device="cuda"), dtype)
+    kv_scale = (row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)).float()
+    w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
+    ks, ke = block_rows(m, n, g)
+    active = active_tiles(ks, ke, n, logits_mod.hopper.BLOCK_M, ws.block_n)
+    assert 0.2 < active.float().mean().item() < 0.9, "the rows must leave tiles to skip"
+    buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
+    out = buf[:, :n]
+    mqa_logits(q, kv, kv_scale, w, ks, ke, out, config=ws)
+    want = mqa_logits(q, kv, kv_scale, w, ks, ke, config=logits_mod.LogitsConfig(64, 128, 4, 3))
+    inside = torch.isfinite(want)
+    assert buf[:, n:].isnan().all(), "written beyond column N"
+    assert torch.equal(torch.isfinite(out), inside), "-inf exactly outside [ks, ke)"
+    err = rel_err(out, want.double())
+    report(test="hopper walk", config=repr(ws), M=m, N=n, active=active.float().mean().item(),
+           rel_err_portable=err)
+    assert err < max(1e-5, 4 * 2.0 ** (-(4 if dtype == FP8 else 8) * ws.linear_terms))
+
+    poison = torch.full_like(buf, 7.0)[:, :n]
+    mqa_logits(q, kv, kv_scale, w, ks, ke, poison, clean=False, config=ws)
+    assert (poison[~active] == 7.0).all(), "clean=False wrote into a skipped tile"
+    assert torch.equal(poison[active], out[active]), "an active tile left unwritten"
+
+
 @pytest.mark.parametrize("dtype,terms", [(FP8, 3), (FP8, 2), (torch.bfloat16, 2)])
 def test_weighted_q_parts_round_to_nearest(dtype, terms):
     """On the GPU each part of the weighted q is its residual rounded to nearest, so the parts
