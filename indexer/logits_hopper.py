@@ -68,7 +68,14 @@ instructions a head on Triton 3.6, and fp8 at 64 heads 10% faster on an H200 (1,
 heads), which ``supports`` counts.
 
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
-``clean``). All partitions walk the same tile sequence (each decides activity itself).
+``clean``). A row block's active tiles are one run of column blocks; counting them row block
+by row block, program p takes the p-th, (p + programs)-th, ... active tile, so that every
+program computes as many tiles as any other, give or take one (``_seek``). Every partition
+walks the same sequence. Striding over all tiles instead (skipping the inactive ones on the
+way) gave the 132 programs of the benchmark's fp8 causal rows between 40 and 44 of the 5,568
+active tiles; balanced, those rows without ``clean`` run at 0.96-0.97 of full rows' rate
+instead of 0.93 (an H200, benchmarks/RESULTS.md, runs 27-30). With ``clean`` the ``-inf``
+stores still cost about 7% there.
 """
 
 from __future__ import annotations
@@ -242,18 +249,15 @@ if AVAILABLE:
         return r * gl.cdiv(N, BN) + c
 
     @gluon.jit
-    def _fill(t, row0, row1, p_out, M, N, stride_om, BM: gl.constexpr, BN: gl.constexpr,
-              PN: gl.constexpr, ROW: gl.constexpr):
-        """-inf into rows [row0, row1) of tile t, PN columns at a time (the producer warp has
-        few registers)."""
+    def _fill(t, p_out, M, N, stride_om, col0, BM: gl.constexpr, BN: gl.constexpr,
+              WIDTH: gl.constexpr, FILL: gl.constexpr):
+        """-inf into columns [col0, col0 + WIDTH) of tile t."""
         num_n = gl.cdiv(N, BN)
-        m_0 = (t // num_n) * BM
-        b_inf = gl.full([PN], float("-inf"), gl.float32, ROW)
-        for i in range(row0, gl.minimum(row1, gl.minimum(BM, M - m_0))):
-            p_row = p_out + (m_0 + i).to(gl.int64) * stride_om
-            for c in gl.static_range(BN // PN):
-                o_n = (t % num_n) * BN + c * PN + gl.arange(0, PN, layout=ROW)
-                gl.store(p_row + o_n, b_inf, mask=o_n < N)
+        o_m = (t // num_n) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, FILL))
+        o_n = (t % num_n) * BN + col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, FILL))
+        p = p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
+        gl.store(p, gl.full([BM, WIDTH], float("-inf"), gl.float32, FILL),
+                 mask=(o_m < M)[:, None] & (o_n < N)[None, :])
 
     @gluon.jit
     def _gather_kv(n_0, kv_buf, off_smem, p_kv, p_block_table, p_cu_kv, N, num_reqs, n_steps,
@@ -295,11 +299,10 @@ if AVAILABLE:
     @gluon.jit
     def _producer(q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem, off_smem,
                   q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv,
-                  p_ks, p_ke, p_out, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
-                  stride_sc_0, stride_sc_1, stride_om, stride_bt, H: gl.constexpr,
-                  D: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
-                  PAGE: gl.constexpr, CHUNK: gl.constexpr, KV_LOAD: gl.constexpr,
-                  TERMS: gl.constexpr, CLEAN: gl.constexpr):
+                  p_ks, p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
+                  stride_sc_1, stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
+                  STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, TERMS: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         PN: gl.constexpr = kv_smem.type.shape[1]
         BN: gl.constexpr = NC * PN
@@ -314,13 +317,6 @@ if AVAILABLE:
         zero = a * 0
         r, base, lo, cnt = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN,
                                  True, NW)
-        if CLEAN:
-            # The other tiles get -inf from this warp, which mostly waits for the ring: one a
-            # step while there are active ones, its rows spread over the step's heads.
-            ROW: gl.constexpr = gl.BlockedLayout([4], [32], [NW], [0])
-            FILL_ROWS: gl.constexpr = (BM + H - 1) // H
-            ri, base_i, lo_i, cnt_i = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N,
-                                            BM, BN, False, NW)
         s = 0
         j = 0
         while r < num_r:
@@ -355,9 +351,6 @@ if AVAILABLE:
                     _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
                               kv_smem.index(b * NCP + c))
             _TMA_LOAD(w_desc, [0, m_0], kv_full.index(b), w_smem.index(b))
-            if CLEAN:
-                t_fill = gl.where(ri < num_r, _tile_at(a, ri, base_i, lo_i, cnt_i, N, BN, False),
-                                  num_r * num_n)
             # The parts of the weighted q first (when the linear half is taken apart), then
             # the heads, all through the one ring.
             for k in gl.static_range(TERMS):
@@ -372,30 +365,15 @@ if AVAILABLE:
                 mbarrier.expect(q_full.index(st), q_desc.block_type.nbytes)
                 _TMA_LOAD(q_desc, [m_0, h * D], q_full.index(st), q_smem.index(st))
                 s += 1
-                if CLEAN:
-                    # a few rows a head: the ring is never left unfed for long
-                    if t_fill < num_r * num_n:
-                        _fill(t_fill, h * FILL_ROWS, (h + 1) * FILL_ROWS, p_out, M, N,
-                              stride_om, BM, BN, PN, ROW)
-            if CLEAN:
-                if ri < num_r:
-                    ri, base_i, lo_i, cnt_i = _seek(a + gl.num_programs(0), ri, base_i, lo_i,
-                                                    cnt_i, p_ks, p_ke, M, N, BM, BN, False, NW)
             a += gl.num_programs(0)
             r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, True, NW)
             j += 1
-        if CLEAN:
-            while ri < num_r:
-                _fill(_tile_at(a, ri, base_i, lo_i, cnt_i, N, BN, False), 0, BM, p_out, M, N,
-                      stride_om, BM, BN, PN, ROW)
-                a += gl.num_programs(0)
-                ri, base_i, lo_i, cnt_i = _seek(a, ri, base_i, lo_i, cnt_i, p_ks, p_ke, M, N,
-                                                BM, BN, False, NW)
 
     @gluon.jit
     def _consumer(q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full, kv_empty, p_ks,
                   p_ke, p_out, p_row_scale, M, N, stride_om, H: gl.constexpr, NC: gl.constexpr,
-                  PART: gl.constexpr, TERMS: gl.constexpr, W_ROW: gl.constexpr):
+                  PART: gl.constexpr, CLEAN: gl.constexpr, TERMS: gl.constexpr,
+                  W_ROW: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
@@ -423,6 +401,15 @@ if AVAILABLE:
         off = r * num_n + lo - base
         end = base + cnt
         t = a + off
+        if CLEAN:
+            # The other tiles get -inf, walked the same way: one a step while there are
+            # active ones, so that the stores spread over the run. (The producer warp, which
+            # mostly waits, writing them instead was no faster at a tile a step and slower at
+            # a row a head: benchmarks/RESULTS.md, runs 28-30.)
+            FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            i = gl.program_id(0)
+            ri, base_i, lo_i, cnt_i = _seek(i, zero - 1, zero, zero, zero, p_ks, p_ke, M, N,
+                                            BM, BN, False, NW)
         s = 0
         while t < num_r * num_n:
             j = s // (H + TERMS)         # tiles done: one register less across the products
@@ -477,6 +464,13 @@ if AVAILABLE:
             b_out = gl.where(m_in, acc * b_scale[None, :], float("-inf"))
             gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :], b_out,
                      mask=m_m[:, None] & (o_n < N)[None, :])
+            if CLEAN:
+                if ri < num_r:
+                    _fill(_tile_at(i, ri, base_i, lo_i, cnt_i, N, BN, False), p_out, M, N,
+                          stride_om, PART * PN, BM, BN, PN, FILL)
+                    i += step
+                    ri, base_i, lo_i, cnt_i = _seek(i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, M,
+                                                    N, BM, BN, False, NW)
             a = t - off + step
             if a >= end:
                 # (as if t's row block had no active tile and `end` before it: the seek
@@ -486,6 +480,13 @@ if AVAILABLE:
                 off = r * num_n + lo - base
                 end = base + cnt
             t = a + off
+        if CLEAN:
+            while ri < num_r:
+                _fill(_tile_at(i, ri, base_i, lo_i, cnt_i, N, BN, False), p_out, M, N,
+                      stride_om, PART * PN, BM, BN, PN, FILL)
+                i += step
+                ri, base_i, lo_i, cnt_i = _seek(i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, M, N,
+                                                BM, BN, False, NW)
 
     @gluon.jit
     def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, p_kv, p_kv_scale, p_ks, p_ke,
@@ -522,34 +523,32 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), TERMS, W_ROW)),
+                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), TERMS, W_ROW)),
+                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
                 (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
                              off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, p_out, M, N, num_reqs,
-                             n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
-                             stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE, CHUNK,
-                             KV_LOAD, TERMS, CLEAN)),
+                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
+                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
+                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), TERMS, W_ROW)),
+                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), TERMS, W_ROW)),
+                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(2), TERMS, W_ROW)),
+                             gl.constexpr(2), CLEAN, TERMS, W_ROW)),
                 (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
                              off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, p_out, M, N, num_reqs,
-                             n_steps, stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1,
-                             stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE, CHUNK,
-                             KV_LOAD, TERMS, CLEAN)),
+                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
+                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
+                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
