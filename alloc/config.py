@@ -152,7 +152,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
     if vllm is not None:
         budget = _parse_value(KEYS["budget_mb"], vllm.strip(), VLLM_BUDGET_VAR)
         if "budget_mb" in values and values["budget_mb"] != budget:
-            raise ConfigError("budget_mb", values["budget_mb"], f"the same budget in both places",
+            raise ConfigError("budget_mb", values["budget_mb"], "the same budget in both places",
                               f"{ENV_VAR}, while {VLLM_BUDGET_VAR}={vllm}",
                               "the two settings disagree")
         values["budget_mb"] = budget
