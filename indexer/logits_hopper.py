@@ -249,15 +249,21 @@ if AVAILABLE:
         return r * gl.cdiv(N, BN) + c
 
     @gluon.jit
-    def _fill(t, p_out, M, N, stride_om, col0, BM: gl.constexpr, BN: gl.constexpr,
-              WIDTH: gl.constexpr, FILL: gl.constexpr):
-        """-inf into columns [col0, col0 + WIDTH) of tile t."""
+    def _fill_next(i, r, base, lo, cnt, p_ks, p_ke, p_out, M, N, stride_om, col0, step,
+                   BM: gl.constexpr, BN: gl.constexpr, WIDTH: gl.constexpr,
+                   FILL: gl.constexpr, NW: gl.constexpr):
+        """-inf into columns [col0, col0 + WIDTH) of the i-th inactive tile (_seek's cursor
+        points at it); returns the cursor moved to the (i + step)-th."""
+        t = _tile_at(i, r, base, lo, cnt, N, BN, False)
         num_n = gl.cdiv(N, BN)
         o_m = (t // num_n) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, FILL))
         o_n = (t % num_n) * BN + col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, FILL))
         p = p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
         gl.store(p, gl.full([BM, WIDTH], float("-inf"), gl.float32, FILL),
                  mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+        i += step
+        r, base, lo, cnt = _seek(i, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, False, NW)
+        return i, r, base, lo, cnt
 
     @gluon.jit
     def _gather_kv(n_0, kv_buf, off_smem, p_kv, p_block_table, p_cu_kv, N, num_reqs, n_steps,
@@ -466,11 +472,9 @@ if AVAILABLE:
                      mask=m_m[:, None] & (o_n < N)[None, :])
             if CLEAN:
                 if ri < num_r:
-                    _fill(_tile_at(i, ri, base_i, lo_i, cnt_i, N, BN, False), p_out, M, N,
-                          stride_om, PART * PN, BM, BN, PN, FILL)
-                    i += step
-                    ri, base_i, lo_i, cnt_i = _seek(i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, M,
-                                                    N, BM, BN, False, NW)
+                    i, ri, base_i, lo_i, cnt_i = _fill_next(
+                        i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, p_out, M, N, stride_om,
+                        PART * PN, step, BM, BN, PN, FILL, NW)
             a = t - off + step
             if a >= end:
                 # (as if t's row block had no active tile and `end` before it: the seek
@@ -482,11 +486,9 @@ if AVAILABLE:
             t = a + off
         if CLEAN:
             while ri < num_r:
-                _fill(_tile_at(i, ri, base_i, lo_i, cnt_i, N, BN, False), p_out, M, N,
-                      stride_om, PART * PN, BM, BN, PN, FILL)
-                i += step
-                ri, base_i, lo_i, cnt_i = _seek(i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, M, N,
-                                                BM, BN, False, NW)
+                i, ri, base_i, lo_i, cnt_i = _fill_next(
+                    i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, p_out, M, N, stride_om, PART * PN,
+                    step, BM, BN, PN, FILL, NW)
 
     @gluon.jit
     def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, p_kv, p_kv_scale, p_ks, p_ke,
