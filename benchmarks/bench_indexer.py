@@ -235,25 +235,27 @@ class Bench:
         for dtype in self.dtypes:
             name = dtype_name(dtype)
             product, product_flops = products[name]
+            # (q, kv, scale, w, ks, ke, pairs)
             full, causal = self.inputs(dtype, causal=False), self.inputs(dtype, causal=True)
             cases = {"ceiling": product,
-                     "full": self._logits_call(full[:6]),
-                     "causal": self._logits_call(causal[:6]),
-                     "causal_unclean": self._logits_call(causal[:6], clean=False)}
+                     "full": self._logits_call(full[:-1]),
+                     "causal": self._logits_call(causal[:-1]),
+                     "causal_unclean": self._logits_call(causal[:-1], clean=False)}
             times = {case: [] for case in cases}
             for _ in range(rounds):
                 for case, fn in cases.items():
                     times[case].append(self.ms(fn, rep=100))
             med = {case: statistics.median(t) for case, t in times.items()}
-            flops = {"full": 2 * full[6] * self.H * self.D,
-                     "causal": 2 * causal[6] * self.H * self.D}
+            flops = {"full": 2 * full[-1] * self.H * self.D,
+                     "causal": 2 * causal[-1] * self.H * self.D}
             flops["causal_unclean"] = flops["causal"]
             c = product_flops / med["ceiling"] / 1e9
             # per round: the kernel against the ceiling of the same round
             frac = {case: statistics.median(flops[case] / t / (product_flops / tc)
                                             for t, tc in zip(times[case], times["ceiling"]))
                     for case in flops}
-            speed = statistics.median(tf / tc for tf, tc in zip(times["full"], times["causal"]))
+            speed = statistics.median(t_full / t_causal for t_full, t_causal
+                                      in zip(times["full"], times["causal"]))
             goal = {torch.bfloat16: 0.95, FP8: 0.90}.get(dtype)
             self.row(f"logits {name}", "ceiling, in the same rounds", c, "TFLOP/s")
             entry = {"ceiling_tflops": c, "rounds": rounds, "times_ms": times}
