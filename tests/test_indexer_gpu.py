@@ -185,6 +185,15 @@ def test_paged_equals_dense(dtype):
     assert torch.equal(dense, paged)
 
 
+def portable_tol(dtype, cfg):
+    """The sm_90 kernel against the portable one: float32 rounding, and with the linear half
+    taken apart what the weighted q's parts leave (``weighted_q``): per part, 2^-4 of the rest
+    at fp8, 2^-8 at bf16."""
+    if not cfg.linear_terms:
+        return 1e-5
+    return max(1e-5, 4 * 2.0 ** (-(4 if dtype == FP8 else 8) * cfg.linear_terms))
+
+
 def need_hopper():
     # Asked inside the tests: at import it would start CUDA in the arena child below, which
     # must install its allocator first.
@@ -200,9 +209,7 @@ def need_hopper():
 def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     """The warp-specialized sm_90 kernel (stages, consumers, linear terms) against the
     portable kernel and the exact-input reference, at odd M and N (partial tiles), on ragged
-    rows, clean and not, dense and paged. With the linear half taken apart, the logits may
-    differ from the portable kernel's by what the weighted q's parts leave (``weighted_q``):
-    per part, 2^-4 of the rest at fp8, 2^-8 at bf16."""
+    rows, clean and not, dense and paged, within ``portable_tol``."""
     need_hopper()
     ws = logits_mod.HopperConfig(*shape)
     if not logits_mod.hopper.supports(dtype, h, d, ws):
@@ -226,10 +233,7 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     report(test="hopper kernel", config=repr(ws), dtype=str(dtype), H=h, D=d,
            rel_err_portable=err_portable,
            rel_err_exact=err_exact)
-    terms = ws.linear_terms
-    part_bits = 4 if dtype == FP8 else 8
-    portable_tol = max(1e-5, 4 * 2.0 ** (-part_bits * terms)) if terms else 1e-5
-    assert err_portable < portable_tol and err_exact < EXACT_TOL[dtype]
+    assert err_portable < portable_tol(dtype, ws) and err_exact < EXACT_TOL[dtype]
 
     # clean=False writes every tile that holds an in-range column, and only those
     poison = torch.full_like(buf, 7.0)
@@ -310,7 +314,7 @@ def test_hopper_kernel_balanced_walk_skips_and_cleans_tiles(dtype, shape, m, n):
     err = rel_err(out, want.double())
     report(test="hopper walk", config=repr(ws), M=m, N=n, active=active.float().mean().item(),
            rel_err_portable=err)
-    assert err < max(1e-5, 4 * 2.0 ** (-(4 if dtype == FP8 else 8) * ws.linear_terms))
+    assert err < portable_tol(dtype, ws)
 
     poison = torch.full_like(buf, 7.0)[:, :n]
     mqa_logits(q, kv, kv_scale, w, ks, ke, poison, clean=False, config=ws)
