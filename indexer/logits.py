@@ -305,7 +305,7 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
     cfg = config or default_config(q.dtype, h, d, paged, q.device.type)
     n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
     if isinstance(cfg, HopperConfig):
-        if hopper.usable(q, kv, strides_kv, cfg):
+        if hopper.usable(q, kv, strides_kv, out, cfg):
             return hopper.launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs,
                                  n_steps, paged, page, strides_kv, strides_sc, stride_bt, clean,
                                  cfg)
@@ -313,7 +313,8 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
             raise ValueError(
                 f"{cfg} needs an sm_90 GPU, bf16/fp16/fp8 inputs with D a power of two in "
                 "32..128 (256 for fp8), q viewable as [M, H * D] (unit stride over H and D) "
-                "and 16-byte aligned q rows and kv rows; use a LogitsConfig for these inputs")
+                "and 16-byte aligned q rows, kv rows and out; use a LogitsConfig for these "
+                "inputs")
         cfg = _portable_default(q.dtype, d)
     spans = [cfg.block_m * max(q.stride(0), 1), cfg.block_m * max(w.stride(0), 1),
              cfg.block_m * max(out.stride(0), 1)]

@@ -21,7 +21,8 @@ Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output 
 * a producer warp: brings each tile's kv rows (128 per consumer) into one of two buffers, by
   TMA (dense kv) or by ``cp.async`` through the block table (paged kv), with their scales by
   ``cp.async`` and the tile's weights ``[H, 64]`` by TMA; and streams q tiles (``64 x D``,
-  one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``;
+  one head) through a ``STAGES``-deep TMA ring over q viewed as ``[M, H * D]``; and with
+  ``clean``, writes ``-inf`` into the tiles that are skipped (see below);
 * two or three consumer warpgroups (``HopperConfig.consumers``), each owning 128 of the
   tile's columns: per head, wait for the q tile, one ``64 x 128 x D`` wgmma, the head's
   weights from shared memory, release the q tile, relu, weight, accumulate. All read the same
@@ -74,8 +75,14 @@ program computes as many tiles as any other, give or take one (``_seek``). Every
 walks the same sequence. Striding over all tiles instead (skipping the inactive ones on the
 way) gave the 132 programs of the benchmark's fp8 causal rows between 40 and 44 of the 5,568
 active tiles; balanced, those rows without ``clean`` run at 0.96-0.97 of full rows' rate
-instead of 0.93 (an H200, benchmarks/RESULTS.md, runs 27-30). With ``clean`` the ``-inf``
-stores still cost about 7% there.
+instead of 0.93 (an H200, benchmarks/RESULTS.md, runs 27-30).
+
+With ``clean`` the skipped tiles are walked the same way, and the producer warp writes one
+of them a tile (the rest after its last) by TMA stores of a ``-inf`` box in shared memory: a
+few instructions of a warp that mostly waits. The consumers storing them from registers
+instead, one a tile between their products, made the benchmark's fp8 causal rows 1.78x
+faster than full rows against 1.92x without ``clean``; by TMA from the producer, 1.83-1.88x
+(runs 31 and 33). The producer storing whole tiles from its registers was no faster (run 28).
 """
 
 from __future__ import annotations
@@ -103,10 +110,13 @@ __all__ = ["AVAILABLE", "HopperConfig", "supports", "usable", "launch"]
 
 BLOCK_M = 64
 PART_N = 128             # columns per consumer warpgroup
+FILL_ROWS = 8            # the -inf box that ``clean`` copies out: [FILL_ROWS, PART_N] floats
 
 if AVAILABLE:
     # Triton renamed these copies (3.6 has the old names, later versions only the new ones).
     _TMA_LOAD = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _TMA_STORE = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    _BARRIER = getattr(gl, "barrier", None) or gl.thread_barrier
     _CP_ASYNC = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     if hasattr(gl.shared_memory_descriptor, "reinterpret"):
         @gluon.jit
@@ -249,18 +259,31 @@ if AVAILABLE:
         return r * gl.cdiv(N, BN) + c
 
     @gluon.jit
-    def _fill_next(i, r, base, lo, cnt, p_ks, p_ke, p_out, M, N, stride_om, col0, step,
-                   BM: gl.constexpr, BN: gl.constexpr, WIDTH: gl.constexpr,
-                   FILL: gl.constexpr, NW: gl.constexpr):
-        """-inf into columns [col0, col0 + WIDTH) of the i-th inactive tile (_seek's cursor
-        points at it); returns the cursor moved to the (i + step)-th."""
+    def _fill_next(i, r, base, lo, cnt, p_ks, p_ke, out_desc, inf_smem, p_out, stride_om, M, N,
+                   step, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
+        """-inf into the i-th inactive tile (_seek's cursor points at it), by TMA stores of
+        the -inf box in shared memory; returns the cursor moved to the (i + step)-th.
+        A TMA store clips a row at a 16-byte boundary, not at its last element, so out_desc
+        ends at the last such boundary, N4, and the columns past it (at most 3, in the last
+        column block) are stored one by one."""
+        FM: gl.constexpr = inf_smem.type.shape[0]
+        FN: gl.constexpr = inf_smem.type.shape[1]
         t = _tile_at(i, r, base, lo, cnt, N, BN, False)
         num_n = gl.cdiv(N, BN)
-        o_m = (t // num_n) * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, FILL))
-        o_n = (t % num_n) * BN + col0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, FILL))
-        p = p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :]
-        gl.store(p, gl.full([BM, WIDTH], float("-inf"), gl.float32, FILL),
-                 mask=(o_m < M)[:, None] & (o_n < N)[None, :])
+        m_0 = (t // num_n) * BM
+        n_0 = (t % num_n) * BN
+        n_4 = N // 4 * 4
+        for c in gl.static_range(BN // FN):
+            if n_0 + c * FN < n_4:
+                for a in gl.static_range(BM // FM):     # (rows past M are clipped)
+                    _TMA_STORE(out_desc, [m_0 + a * FM, n_0 + c * FN], inf_smem)
+        if (n_4 < N) & (n_0 + BN >= N):
+            TAIL: gl.constexpr = gl.BlockedLayout([1, 4], [32, 1], [NW, 1], [1, 0])
+            o_m = m_0 + gl.arange(0, BM, layout=gl.SliceLayout(1, TAIL))
+            o_n = n_4 + gl.arange(0, 4, layout=gl.SliceLayout(0, TAIL))
+            gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :],
+                     gl.full([BM, 4], float("-inf"), gl.float32, TAIL),
+                     mask=(o_m < M)[:, None] & (o_n < N)[None, :])
         i += step
         r, base, lo, cnt = _seek(i, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, False, NW)
         return i, r, base, lo, cnt
@@ -305,10 +328,11 @@ if AVAILABLE:
     @gluon.jit
     def _producer(q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem, off_smem,
                   q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv,
-                  p_ks, p_ke, M, N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
-                  stride_sc_1, stride_bt, H: gl.constexpr, D: gl.constexpr, NC: gl.constexpr,
-                  STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
-                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, TERMS: gl.constexpr):
+                  p_ks, p_ke, out_desc, inf_smem, p_out, M, N, num_reqs, n_steps, stride_kv_0,
+                  stride_kv_1, stride_sc_0, stride_sc_1, stride_om, stride_bt, H: gl.constexpr,
+                  D: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
+                  PAGE: gl.constexpr, CHUNK: gl.constexpr, KV_LOAD: gl.constexpr,
+                  TERMS: gl.constexpr, CLEAN: gl.constexpr):
         BM: gl.constexpr = q_desc.block_type.shape[0]
         PN: gl.constexpr = kv_smem.type.shape[1]
         BN: gl.constexpr = NC * PN
@@ -323,6 +347,18 @@ if AVAILABLE:
         zero = a * 0
         r, base, lo, cnt = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN,
                                  True, NW)
+        if CLEAN:
+            # The other tiles get -inf, walked the same way, one a tile while there are active
+            # ones: TMA stores of a -inf box, a few instructions of this warp, which mostly
+            # waits. (The consumers storing them from registers cost causal rows about 7%,
+            # benchmarks/RESULTS.md, run 30.)
+            FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+            inf_smem.store(gl.full(inf_smem.type.shape, float("-inf"), gl.float32, FILL))
+            fence_async_shared()
+            _BARRIER()               # every lane's part of the box is in before one copies it
+            i = a
+            ri, base_i, lo_i, cnt_i = _seek(i, zero - 1, zero, zero, zero, p_ks, p_ke, M, N,
+                                            BM, BN, False, NW)
         s = 0
         j = 0
         while r < num_r:
@@ -357,6 +393,11 @@ if AVAILABLE:
                     _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
                               kv_smem.index(b * NCP + c))
             _TMA_LOAD(w_desc, [0, m_0], kv_full.index(b), w_smem.index(b))
+            if CLEAN:
+                if ri < num_r:
+                    i, ri, base_i, lo_i, cnt_i = _fill_next(
+                        i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, out_desc, inf_smem, p_out,
+                        stride_om, M, N, gl.num_programs(0), BM, BN, NW)
             # The parts of the weighted q first (when the linear half is taken apart), then
             # the heads, all through the one ring.
             for k in gl.static_range(TERMS):
@@ -374,11 +415,17 @@ if AVAILABLE:
             a += gl.num_programs(0)
             r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, True, NW)
             j += 1
+        if CLEAN:
+            while ri < num_r:
+                i, ri, base_i, lo_i, cnt_i = _fill_next(
+                    i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, out_desc, inf_smem, p_out,
+                    stride_om, M, N, gl.num_programs(0), BM, BN, NW)
+            tma.store_wait(0)      # the box must outlive the copies that read it
 
     @gluon.jit
     def _consumer(q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full, kv_empty, p_ks,
                   p_ke, p_out, p_row_scale, M, N, stride_om, H: gl.constexpr, NC: gl.constexpr,
-                  PART: gl.constexpr, CLEAN: gl.constexpr, TERMS: gl.constexpr,
+                  PART: gl.constexpr, TERMS: gl.constexpr,
                   W_ROW: gl.constexpr):
         NW: gl.constexpr = gl.num_warps()
         STAGES: gl.constexpr = q_smem.type.shape[0]
@@ -407,15 +454,6 @@ if AVAILABLE:
         off = r * num_n + lo - base
         end = base + cnt
         t = a + off
-        if CLEAN:
-            # The other tiles get -inf, walked the same way: one a step while there are
-            # active ones, so that the stores spread over the run. (The producer warp, which
-            # mostly waits, writing them instead was no faster at a tile a step and slower at
-            # a row a head: benchmarks/RESULTS.md, runs 28-30.)
-            FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-            i = gl.program_id(0)
-            ri, base_i, lo_i, cnt_i = _seek(i, zero - 1, zero, zero, zero, p_ks, p_ke, M, N,
-                                            BM, BN, False, NW)
         s = 0
         while t < num_r * num_n:
             j = s // (H + TERMS)         # tiles done: one register less across the products
@@ -470,11 +508,6 @@ if AVAILABLE:
             b_out = gl.where(m_in, acc * b_scale[None, :], float("-inf"))
             gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :], b_out,
                      mask=m_m[:, None] & (o_n < N)[None, :])
-            if CLEAN:
-                if ri < num_r:
-                    i, ri, base_i, lo_i, cnt_i = _fill_next(
-                        i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, p_out, M, N, stride_om,
-                        PART * PN, step, BM, BN, PN, FILL, NW)
             a = t - off + step
             if a >= end:
                 # (as if t's row block had no active tile and `end` before it: the seek
@@ -484,14 +517,9 @@ if AVAILABLE:
                 off = r * num_n + lo - base
                 end = base + cnt
             t = a + off
-        if CLEAN:
-            while ri < num_r:
-                i, ri, base_i, lo_i, cnt_i = _fill_next(
-                    i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, p_out, M, N, stride_om, PART * PN,
-                    step, BM, BN, PN, FILL, NW)
 
     @gluon.jit
-    def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, p_kv, p_kv_scale, p_ks, p_ke,
+    def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, out_desc, p_kv, p_kv_scale, p_ks, p_ke,
                           p_out, p_row_scale, p_block_table, p_cu_kv, M, N, num_reqs, n_steps,
                           stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_om,
                           stride_bt, H: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
@@ -514,6 +542,11 @@ if AVAILABLE:
         q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         kv_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         kv_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        if CLEAN:
+            inf_smem = gl.allocate_shared_memory(gl.float32, out_desc.block_type.shape,
+                                                 out_desc.layout)
+        else:
+            inf_smem = off_smem          # unused
         for i in gl.static_range(STAGES):
             mbarrier.init(q_full.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=NC)     # one arrive per consumer
@@ -525,32 +558,34 @@ if AVAILABLE:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(0), TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(1), TERMS, W_ROW)),
                 (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
                              off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
-                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
-                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
+                             p_block_table, p_cu_kv, p_ks, p_ke, out_desc, inf_smem, p_out, M,
+                             N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
+                             stride_sc_1, stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
+                             CHUNK, KV_LOAD, TERMS, CLEAN)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(0), TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(1), TERMS, W_ROW)),
                 (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
                              kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(2), CLEAN, TERMS, W_ROW)),
+                             gl.constexpr(2), TERMS, W_ROW)),
                 (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
                              off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, M, N, num_reqs, n_steps,
-                             stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt, H,
-                             D, NC, STAGES, PAGED, PAGE, CHUNK, KV_LOAD, TERMS)),
+                             p_block_table, p_cu_kv, p_ks, p_ke, out_desc, inf_smem, p_out, M,
+                             N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
+                             stride_sc_1, stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
+                             CHUNK, KV_LOAD, TERMS, CLEAN)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -559,22 +594,26 @@ _SMEM_LIMIT = 227 * 1024
 
 def supports(dtype: torch.dtype, h: int, d: int, cfg: HopperConfig) -> bool:
     """Whether the kernel exists for this dtype and shape: 16-bit or fp8, D a power of two
-    from 32, at most 256 heads, with the q ring and both tiles' kv buffers and weights in
-    shared memory."""
+    from 32, at most 256 heads, with all the kernel keeps in shared memory in it."""
     if not AVAILABLE or dtype not in _GL_DTYPE or d < 32 or d & (d - 1) or not 1 <= h <= 256:
         return False
     elem = 1 if dtype == _FP8 else 2
     buffers = 2 * (2 if cfg.consumers <= 2 else 4)
-    weights = 2 * h * BLOCK_M * 4
-    return ((cfg.stages * BLOCK_M + buffers * PART_N) * d * elem + weights + 8 * 1024
-            <= _SMEM_LIMIT)
+    nbytes = ((cfg.stages * BLOCK_M + buffers * PART_N) * d * elem  # q ring, kv rows
+              + buffers * PART_N * 4                # kv scales
+              + PART_N * 8                          # paged kv: the rows' offsets
+              + 2 * h * BLOCK_M * 4                 # weights
+              + FILL_ROWS * PART_N * 4              # the -inf box
+              + 1024)                               # barriers, alignment
+    return nbytes <= _SMEM_LIMIT
 
 
-def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
+def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int], out: torch.Tensor,
            cfg: HopperConfig) -> bool:
     """Whether the kernel can take these inputs: ``supports``, on an sm_90 device, q viewable
-    as [M, H * D] with a 16-byte aligned base and row stride (for TMA), and kv rows (dense, or
-    pages and slots of a cache) starting 16-byte aligned (for TMA and cp.async)."""
+    as [M, H * D] with a 16-byte aligned base and row stride (for TMA), kv rows (dense, or
+    pages and slots of a cache) starting 16-byte aligned (for TMA and cp.async), and ``out``
+    16-byte aligned (its -inf tiles are TMA stores; its row stride is checked by the caller)."""
     _, h, d = q.shape
     if q.device.type != "cuda" or not supports(q.dtype, h, d, cfg):
         return False
@@ -583,7 +622,7 @@ def usable(q: torch.Tensor, kv: torch.Tensor, strides_kv: tuple[int, int],
     elem = q.element_size()
     return (q.stride(1) == d and q.stride(2) == 1 and q.data_ptr() % 16 == 0
             and (q.stride(0) * elem) % 16 == 0 and kv.data_ptr() % 16 == 0
-            and all((st * elem) % 16 == 0 for st in strides_kv))
+            and all((st * elem) % 16 == 0 for st in strides_kv) and out.data_ptr() % 16 == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -628,6 +667,11 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     w_tma, w_row = w_layouts()
     wt = w_tiles(w, 0.5 if terms else 1.0, BLOCK_M)
     w_desc = TensorDescriptor(wt, list(wt.shape), [wt.stride(0), 1], [h, BLOCK_M], w_tma)
+    # Up to the last 16-byte boundary of a row (see _fill_next); a single row's stride is
+    # any, TMA only wants one that is a multiple of 16 bytes.
+    stride_om = out.stride(0) if m > 1 else -(-n // 4) * 4
+    out_desc = TensorDescriptor(out, [m, max(n // 4 * 4, 4)], [stride_om, 1],
+                                [FILL_ROWS, PART_N], w_tma)
     if paged:
         kv_desc = q_desc          # unused: paged rows are gathered with cp.async
     else:
@@ -637,7 +681,7 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     _logits_ws_kernel[(min(tiles, sms),)](
-        q_desc, qw_desc, kv_desc, w_desc, kv, kv_scale, ks, ke, out, row_scale, block_table,
+        q_desc, qw_desc, kv_desc, w_desc, out_desc, kv, kv_scale, ks, ke, out, row_scale, block_table,
         cu_kv, m, n, num_reqs, n_steps,
         strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], out.stride(0), stride_bt,
         H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,

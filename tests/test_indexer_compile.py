@@ -189,6 +189,9 @@ def compile_hopper_kernel(dtype, d, h, paged, cfg):
             signature[name] = f"tensordesc<{t}[{hopper.PART_N}, {d}],{kv_smem!r}>"
         elif name == "w_desc":
             signature[name] = f"tensordesc<fp32[{h}, {hopper.BLOCK_M}],{hopper.w_layouts()[0]!r}>"
+        elif name == "out_desc":
+            signature[name] = (f"tensordesc<fp32[{hopper.FILL_ROWS}, {hopper.PART_N}],"
+                               f"{hopper.w_layouts()[0]!r}>")
         elif name in pointers:
             signature[name] = "*" + pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
@@ -238,6 +241,22 @@ def test_hopper_logits_kernel_compiles_with_partitions_and_wgmma(dtype, stages, 
         # 64 x 128 accumulator elements over 128 threads: 64 a thread and head
         assert ops.count("FFMA") == 64
         assert ops.count("FMNMX") == (0 if linear else 64)
+
+
+# The deepest q ring that ``supports`` allows, with paged kv (its rows' offsets take shared
+# memory too): ``supports`` must count at least what the compiled kernel takes, or a launch
+# would fail on the device.
+@pytest.mark.parametrize("dtype,h,d,consumers", [
+    (torch.float8_e4m3fn, 64, 128, 3), (torch.bfloat16, 16, 128, 2),
+    (torch.float8_e4m3fn, 256, 64, 3)])
+def test_hopper_supports_counts_the_kernels_shared_memory(dtype, h, d, consumers):
+    from indexer import logits_hopper as hopper
+    if not hopper.AVAILABLE:
+        pytest.skip("this Triton has no Gluon")
+    stages = max(st for st in range(2, 32)
+                 if hopper.supports(dtype, h, d, hopper.HopperConfig(st, consumers)))
+    kernel = compile_hopper_kernel(dtype, d, h, True, hopper.HopperConfig(stages, consumers))
+    assert kernel.metadata.shared <= 227 * 1024, f"{stages} stages"
 
 
 def assert_row_passes_do_not_spill(kernel, cfg):
