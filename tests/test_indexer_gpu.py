@@ -353,6 +353,14 @@ def test_hopper_config_rejects_inputs_it_cannot_take():
         mqa_logits(*args, config=logits_mod.HopperConfig())
     # without a config, the portable kernel takes them
     assert torch.isfinite(mqa_logits(*args)).all()
+    # an out whose rows are 16-byte multiples but whose base is not (the -inf tiles are TMA
+    # stores): the same
+    q = q.contiguous()
+    out = torch.empty(64, 264, device="cuda")[:, 1:257]
+    args = (q, kv, torch.ones(256, device="cuda"), torch.ones(64, 4, device="cuda"), ks, ke, out)
+    with pytest.raises(ValueError, match="LogitsConfig"):
+        mqa_logits(*args, config=logits_mod.HopperConfig())
+    assert torch.isfinite(mqa_logits(*args)).all()
 
 
 # --- the driver --------------------------------------------------------------------------------
