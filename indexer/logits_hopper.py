@@ -349,9 +349,7 @@ if AVAILABLE:
                                  True, NW)
         if CLEAN:
             # The other tiles get -inf, walked the same way, one a tile while there are active
-            # ones: TMA stores of a -inf box, a few instructions of this warp, which mostly
-            # waits. (The consumers storing them from registers cost causal rows about 7%,
-            # benchmarks/RESULTS.md, run 30.)
+            # ones, by TMA stores of a -inf box (the module's docstring says why).
             FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
             inf_smem.store(gl.full(inf_smem.type.shape, float("-inf"), gl.float32, FILL))
             fence_async_shared()
