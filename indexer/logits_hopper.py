@@ -264,7 +264,7 @@ if AVAILABLE:
         """-inf into the i-th inactive tile (_seek's cursor points at it), by TMA stores of
         the -inf box in shared memory; returns the cursor moved to the (i + step)-th.
         A TMA store clips a row at a 16-byte boundary, not at its last element, so out_desc
-        ends at the last such boundary, N4, and the columns past it (at most 3, in the last
+        ends at the last such boundary, n_4, and the columns past it (at most 3, in the last
         column block) are stored one by one."""
         FM: gl.constexpr = inf_smem.type.shape[0]
         FN: gl.constexpr = inf_smem.type.shape[1]
@@ -679,8 +679,8 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, cfg.block_n)
     maxnreg, consumer_regs, producer_regs = cfg.registers()
     _logits_ws_kernel[(min(tiles, sms),)](
-        q_desc, qw_desc, kv_desc, w_desc, out_desc, kv, kv_scale, ks, ke, out, row_scale, block_table,
-        cu_kv, m, n, num_reqs, n_steps,
+        q_desc, qw_desc, kv_desc, w_desc, out_desc, kv, kv_scale, ks, ke, out, row_scale,
+        block_table, cu_kv, m, n, num_reqs, n_steps,
         strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], out.stride(0), stride_bt,
         H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
         KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk, CONSUMER_REGS=consumer_regs,
