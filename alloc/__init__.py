@@ -8,17 +8,19 @@ from .arena import STREAM_NONE, Arena, Block, HostGuard, Region, workspace_arena
 from .config import ENV_VAR, VLLM_BUDGET_VAR, Config, from_env
 from .errors import (ArenaError, ArenaOutOfMemory, BackendError, ConfigError, DoubleFree,
                      ForeignPointer, InstallError, InvalidFree, InvariantError)
-from .plugin import (device_arena, device_is_unified, in_workspace, install, installed_config,
-                     is_installed, max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved,
-                     memory_stats, reserve, reset_peak_memory_stats, workspace)
+from .plugin import (SCOPES, device_arena, device_is_unified, in_workspace, install, installed_config,
+                     installed_scope, is_installed, max_memory_allocated, max_memory_reserved,
+                     memory_allocated, memory_reserved, memory_stats, pool_segment_bytes, pool_snapshot, reserve,
+                     reset_peak_memory_stats, workspace, workspace_pool)
 
 __all__ = [
     "STREAM_NONE", "Arena", "Block", "HostGuard", "Region", "workspace_arena",
     "ENV_VAR", "VLLM_BUDGET_VAR", "Config", "from_env",
     "ArenaError", "ArenaOutOfMemory", "BackendError", "ConfigError", "DoubleFree",
     "ForeignPointer", "InstallError", "InvalidFree", "InvariantError",
-    "device_arena", "device_is_unified", "in_workspace", "install", "installed_config",
-    "is_installed",
+    "SCOPES", "device_arena", "device_is_unified", "in_workspace", "install", "installed_config",
+    "installed_scope", "is_installed",
     "max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
-    "memory_stats", "reserve", "reset_peak_memory_stats", "workspace",
+    "memory_stats", "pool_segment_bytes", "pool_snapshot", "reserve", "reset_peak_memory_stats", "workspace",
+    "workspace_pool",
 ]

@@ -1,31 +1,44 @@
-"""The arena as PyTorch's CUDA allocator.
+"""The arena inside PyTorch, in one of two scopes.
 
-``install()`` hands PyTorch the C core's entry points through ``CUDAPluggableAllocator``; from then
-on every CUDA tensor of the process comes from this package's arenas. ``workspace()`` routes the
-allocations of the calling thread to the device's fixed workspace arena. ``memory_stats()`` stands
-in for ``torch.cuda.memory_stats()``, which raises under any pluggable allocator.
+``install()`` (scope ``"process"``) hands PyTorch the C core's entry points through
+``CUDAPluggableAllocator`` and ``change_current_allocator``; from then on every CUDA tensor of the
+process comes from this package's arenas, and ``memory_stats()`` stands in for
+``torch.cuda.memory_stats()``, which raises under any pluggable allocator.
+
+``install(scope="workspace")`` leaves PyTorch's own allocator in charge of every other tensor and
+puts the workspace arena behind one ``torch.cuda.MemPool`` per device (``workspace_pool()``). The
+pool's caching layer keeps each segment it is given, so the pool is first handed one segment of
+the whole budget, and PyTorch splits every workspace out of it: one reservation, no growth.
+
+In both scopes ``workspace()`` routes the calling thread's allocations to the workspace arena.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import config as config_mod
 from ._core import ffi, lib
 from .arena import Arena, stats_dict
 from .errors import InstallError
+from .units import fmt_bytes
 
 POOLS = ("workspace", "small", "large")
+SCOPES = ("process", "workspace")
+_SCOPE_CODES = {"process": lib.IA_SCOPE_PROCESS, "workspace": lib.IA_SCOPE_WORKSPACE}
 
 
 @dataclass
 class _Installed:
     config: config_mod.Config
+    scope: str
     allocator: object  # torch.cuda.memory.CUDAPluggableAllocator; keeps the hooks alive
     keepalive: tuple
+    pools: dict = field(default_factory=dict)  # workspace scope: device index -> MemPool
 
 
 _state_lock = threading.Lock()
@@ -57,64 +70,112 @@ def installed_config() -> config_mod.Config | None:
     return _installed.config if _installed else None
 
 
-def install(config: config_mod.Config | None = None, *, devices: Iterable[int] = ()) -> config_mod.Config:
-    """Makes the arena PyTorch's CUDA allocator for this process.
+def installed_scope() -> str | None:
+    """``"process"``, ``"workspace"``, or None before ``install()``."""
+    return _installed.scope if _installed else None
 
-    Must run before anything initialises CUDA (any ``.cuda()``, ``torch.cuda.set_device``, a
-    ``MemPool``...). ``config`` defaults to the environment (INDEXER_ARENA_CONF and
-    VLLM_SPARSE_INDEXER_MAX_LOGITS_MB). A device's general pools start at its first allocation and
-    its workspace arena at its first workspace allocation; ``devices`` reserves the workspace
-    arenas of those device indices right away (what unified-memory machines want: the budget is
-    taken and committed before the model loads). A second call with the same configuration does
-    nothing; with another one it raises, since the first one's arenas already exist.
+
+def install(config: config_mod.Config | None = None, *, devices: Iterable[int] = (),
+            scope: str = "process") -> config_mod.Config:
+    """Puts the arena into PyTorch for this process.
+
+    ``scope="process"`` makes it PyTorch's CUDA allocator. It must run before anything
+    initialises CUDA (any ``.cuda()``, ``torch.cuda.set_device``, a ``MemPool``...). A device's
+    general pools start at its first allocation and its workspace arena at its first workspace
+    allocation.
+
+    ``scope="workspace"`` keeps PyTorch's allocator and serves only ``workspace()`` allocations,
+    from one ``torch.cuda.MemPool`` per device over the workspace arena (``workspace_pool()``); it
+    may run at any time, and a device's pool is made at its first workspace allocation.
+
+    ``config`` defaults to the environment (INDEXER_ARENA_CONF and
+    VLLM_SPARSE_INDEXER_MAX_LOGITS_MB). ``devices`` reserves the workspace arenas of those device
+    indices right away (what unified-memory machines want: the budget is taken and committed
+    before the model loads). A second call with the same configuration and scope does nothing;
+    with another one it raises, since the first one's arenas already exist: one process has one
+    scope.
     """
     global _installed
+    if scope not in SCOPES:
+        raise InstallError(f"unknown scope {scope!r}; accepted: {', '.join(SCOPES)}")
     config = config if config is not None else config_mod.from_env()
     with _state_lock:
         if _installed is not None:
+            if scope != _installed.scope:
+                raise InstallError(
+                    f"the allocator is already installed in {_installed.scope} scope; one process "
+                    f"cannot also use the {scope} scope. Choose one scope for the whole process")
             if config != _installed.config:
                 raise InstallError(
                     f"the allocator is already installed with {_installed.config}; it cannot be "
                     f"installed again with {config} in the same process")
-            for device in devices:
-                reserve(device)
-            return _installed.config
-        import torch
-        if not torch.cuda.is_available():
-            raise InstallError("torch sees no CUDA device; the arena allocator needs one "
-                               "(on the CPU use alloc.Arena with the host backend)")
-        if torch.cuda.is_initialized():
-            raise InstallError(
-                "CUDA is already initialised in this process, and PyTorch cannot change its "
-                "allocator after that. Call alloc.install() first thing in the worker, before any "
-                "tensor is moved to the GPU and before torch.cuda.set_device() or a MemPool")
-        from . import oom_shim
-        cudart = loaded_cudart()
-        strings = tuple(ffi.new("char[]", s.encode()) if s else ffi.NULL
-                        for s in (cudart, config.meminfo, config.oom_report))
-        c = ffi.new("ia_plugin_config_t *")
-        c.budget = config.budget_bytes
-        c.alignment = config.alignment
-        c.cudart_path, c.meminfo_path, c.oom_report_path = strings
-        c.unified = {"auto": -1, "off": 0, "on": 1}[config.unified]
-        c.host_headroom = config.host_headroom_bytes
-        c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())
-        if lib.ia_plugin_configure(c) != lib.IA_OK:
-            raise InstallError("the C core refused the configuration: a device already has arenas")
-        if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
-            raise InstallError(f"could not allocate a trace ring of {config.trace} events")
-
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            core_library_path(), "ia_torch_alloc", "ia_torch_free")
-        hooks = allocator.allocator()
-        hooks.set_reset_fn(_address("ia_torch_empty_cache"))
-        hooks.set_record_stream_fn(_address("ia_torch_record_stream"))
-        hooks.set_memory_fraction_fn(_address("ia_torch_memory_fraction"))
-        torch.cuda.memory.change_current_allocator(allocator)
-        _installed = _Installed(config, allocator, (strings, c))
+        else:
+            _installed = _install(config, scope)
     for device in devices:
         reserve(device)
     return config
+
+
+def _install(config: config_mod.Config, scope: str) -> _Installed:
+    import torch
+    if not torch.cuda.is_available():
+        raise InstallError("torch sees no CUDA device; the arena allocator needs one "
+                           "(on the CPU use alloc.Arena with the host backend)")
+    if scope == "process" and torch.cuda.is_initialized():
+        raise InstallError(
+            "CUDA is already initialised in this process, and PyTorch cannot change its "
+            "allocator after that. Call alloc.install() first thing in the worker, before any "
+            "tensor is moved to the GPU and before torch.cuda.set_device() or a MemPool; or "
+            "install(scope=\"workspace\"), which works at any time")
+    if scope == "workspace":
+        _check_pool_settings()
+    cudart = loaded_cudart()
+    strings = tuple(ffi.new("char[]", s.encode()) if s else ffi.NULL
+                    for s in (cudart, config.meminfo, config.oom_report))
+    c = ffi.new("ia_plugin_config_t *")
+    c.scope = _SCOPE_CODES[scope]
+    c.budget = config.budget_bytes
+    c.alignment = config.alignment
+    c.cudart_path, c.meminfo_path, c.oom_report_path = strings
+    c.unified = {"auto": -1, "off": 0, "on": 1}[config.unified]
+    c.host_headroom = config.host_headroom_bytes
+    if scope == "process":  # the pool scope never throws: a refused segment returns NULL
+        from . import oom_shim
+        c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())
+    if lib.ia_plugin_configure(c) != lib.IA_OK:
+        raise InstallError("the C core refused the configuration: a device already has arenas")
+    if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
+        raise InstallError(f"could not allocate a trace ring of {config.trace} events")
+    if scope == "workspace":
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            core_library_path(), "ia_pool_alloc", "ia_pool_free")
+        return _Installed(config, scope, allocator, (strings, c))
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        core_library_path(), "ia_torch_alloc", "ia_torch_free")
+    hooks = allocator.allocator()
+    hooks.set_reset_fn(_address("ia_torch_empty_cache"))
+    hooks.set_record_stream_fn(_address("ia_torch_record_stream"))
+    hooks.set_memory_fraction_fn(_address("ia_torch_memory_fraction"))
+    torch.cuda.memory.change_current_allocator(allocator)
+    return _Installed(config, scope, allocator, (strings, c))
+
+
+def _check_pool_settings() -> None:
+    """PyTorch settings under which a MemPool cannot hold the budget as one split segment."""
+    import torch
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        text = os.environ.get(var, "")
+        if "max_split_size_mb" in text:
+            raise InstallError(
+                f"{var}={text!r} sets max_split_size_mb, under which PyTorch never splits a "
+                "segment that large, so the workspace pool's one budget-sized segment could serve "
+                "one workspace at a time; drop max_split_size_mb, or use the process scope")
+    backend = torch.cuda.get_allocator_backend()
+    if backend != "native":
+        raise InstallError(
+            f"PyTorch's CUDA allocator backend is {backend!r}; the workspace scope needs the "
+            "native caching allocator, whose MemPools it uses (drop backend:cudaMallocAsync from "
+            "PYTORCH_CUDA_ALLOC_CONF, or use the process scope)")
 
 
 def _address(function: str) -> int:
@@ -122,9 +183,17 @@ def _address(function: str) -> int:
 
 
 def reserve(device: int) -> None:
-    """Creates the device's arenas now, reserving its workspace budget (one cudaMalloc)."""
+    """Creates the device's arenas now, reserving its workspace budget (one cudaMalloc); in
+    workspace scope, also the device's workspace pool (``workspace_pool``)."""
     if not is_installed():
         raise InstallError("alloc.reserve() needs alloc.install() first")
+    if _installed.scope == "workspace":
+        workspace_pool(device)
+        return
+    _reserve_arena(device)
+
+
+def _reserve_arena(device: int) -> None:
     if lib.ia_plugin_reserve(device) != lib.IA_OK:
         import torch
         why = ffi.string(lib.ia_plugin_failure()).decode()
@@ -134,18 +203,118 @@ def reserve(device: int) -> None:
             f"MiB): {why}. Lower budget_mb in {config_mod.ENV_VAR} or free device memory")
 
 
+_pool_lock = threading.Lock()
+
+
+def workspace_pool(device=None):
+    """The device's workspace ``torch.cuda.MemPool`` (workspace scope), made at the first call.
+
+    Making it reserves the workspace arena (one cudaMalloc, checked against host memory on
+    unified-memory devices) and hands the pool one segment of the whole budget
+    (``pool_segment_bytes()``), allocated and freed at once on the current stream. PyTorch keeps
+    that segment while the pool lives and splits every workspace out of it; PyTorch gives a
+    segment's blocks to the stream it was made on only, so a device's workspaces belong on that
+    one stream. Later calls return the same pool.
+    """
+    if _installed is None or _installed.scope != "workspace":
+        now = f"installed in {_installed.scope} scope" if _installed else "not installed"
+        raise InstallError(f"alloc.workspace_pool() needs alloc.install(scope=\"workspace\") "
+                           f"first; the allocator is {now}")
+    import torch
+    index = _device_index(device)
+    with _pool_lock:
+        pool = _installed.pools.get(index)
+        if pool is not None:
+            return pool
+        _reserve_arena(index)
+        try:
+            pool = torch.cuda.MemPool(_installed.allocator.allocator())
+        except RuntimeError as e:
+            raise InstallError(f"PyTorch refused a MemPool on cuda:{index} ({e}); the workspace "
+                               "scope needs PyTorch's own caching allocator as the process's "
+                               "allocator") from None
+        segment = pool_segment_bytes()
+        with torch.cuda.device(index), torch.cuda.use_mem_pool(pool, index):
+            torch.empty(segment, dtype=torch.uint8, device=index)  # freed at once; kept cached
+        held = device_arena(index, "workspace").stats()
+        if held["in_use"] != segment or held["backend_reserves"] != 1:
+            raise InstallError(
+                f"the workspace pool of cuda:{index} asked its arena for {held['in_use']} bytes "
+                f"where {segment} were expected; this PyTorch ({torch.__version__}) sizes pool "
+                "segments differently, so use the process scope")
+        _installed.pools[index] = pool
+        return pool
+
+
+def pool_segment_bytes() -> int:
+    """Workspace scope: the pool's one segment, the budget rounded up the way PyTorch rounds a
+    segment (to 2 MiB, 20 MiB at least). The arena reserves it and 2 MiB more, PyTorch's segment
+    of small blocks, for workspace requests of 1 MiB or less."""
+    return int(lib.ia_plugin_pool_segment())
+
+
 @contextlib.contextmanager
 def workspace() -> Iterator[None]:
     """CUDA allocations of this thread inside the block come from the device's workspace arena.
 
-    Without ``install()`` the scope changes nothing: tensors come from whatever allocator PyTorch
-    has. Scopes nest.
+    Process scope: the C core routes them. Workspace scope: the block enters the current
+    device's workspace pool (``torch.cuda.use_mem_pool``), and a request the pool cannot place
+    raises ``torch.OutOfMemoryError`` naming the budget, what the pool has in use and its largest
+    free block. Without ``install()`` the scope changes nothing: tensors come from whatever
+    allocator PyTorch has. Scopes nest.
     """
+    if _installed is None or _installed.scope == "process":
+        lib.ia_workspace_enter()
+        try:
+            yield
+        finally:
+            lib.ia_workspace_exit()
+        return
+    import torch
+    device = torch.cuda.current_device()
+    pool = workspace_pool(device)
+    refusals = lib.ia_plugin_pool_refusals()
     lib.ia_workspace_enter()
     try:
-        yield
+        with torch.cuda.use_mem_pool(pool, device):
+            yield
+    except torch.OutOfMemoryError as e:
+        if lib.ia_plugin_pool_refusals() == refusals:
+            raise
+        raise torch.OutOfMemoryError(_pool_out_of_memory(device)) from e
     finally:
         lib.ia_workspace_exit()
+
+
+def pool_snapshot(device=None) -> list[dict]:
+    """Workspace scope: the segments of the device's workspace pool, as
+    ``torch.cuda.memory_snapshot()`` describes segments (each with its blocks); PyTorch splits the
+    pool's workspaces out of them."""
+    import torch
+    arena = device_arena(_device_index(device), "workspace")
+    if arena is None:
+        return []
+    inside = [(r.base, r.base + r.size) for r in arena.regions()]
+    return [seg for seg in torch.cuda.memory_snapshot()
+            if any(lo <= seg["address"] < hi for lo, hi in inside)]
+
+
+def _pool_out_of_memory(device: int) -> str:
+    """The message of a workspace request the pool could not place, from PyTorch's own view of
+    the pool's segments (read after PyTorch has raised, so its state is whole)."""
+    used = largest = 0
+    for seg in pool_snapshot(device):
+        for block in seg["blocks"]:
+            if block["state"] == "inactive":
+                largest = max(largest, block["size"])
+            else:
+                used += block["size"]
+    why = ffi.string(lib.ia_plugin_failure()).decode()
+    return (f"CUDA out of memory on device {device}: a workspace request does not fit the "
+            f"workspace pool (budget {fmt_bytes(_installed.config.budget_bytes)}, "
+            f"{fmt_bytes(used)} in use, largest free block {fmt_bytes(largest)}). The workspace "
+            f"pool never grows: raise budget_mb in {config_mod.ENV_VAR} (or "
+            f"{config_mod.VLLM_BUDGET_VAR}), or plan smaller pieces. ({why})")
 
 
 def in_workspace() -> bool:
@@ -168,11 +337,23 @@ def _pool_stats(device: int) -> dict[str, dict]:
     return out
 
 
+def _pytorch_counts() -> bool:
+    """Workspace scope: PyTorch's allocator serves the process and keeps the statistics (the
+    workspace pool's segments among them)."""
+    return _installed is not None and _installed.scope == "workspace"
+
+
 def memory_stats(device: int | None = None) -> dict:
     """PyTorch's ``memory_stats()`` keys wherever one applies, plus ``arena.<pool>.<stat>`` for
-    every statistic of every arena (pools: workspace, small, large)."""
+    every statistic of every arena (pools: workspace, small, large). In workspace scope PyTorch's
+    keys are PyTorch's own (``torch.cuda.memory_stats()``, which counts the workspace pool)."""
     device = _device_index(device)
     pools = _pool_stats(device)
+    if _pytorch_counts():
+        import torch
+        out = dict(torch.cuda.memory_stats(device))
+        out.update({f"arena.workspace.{k}": v for k, v in pools["workspace"].items()})
+        return out
     totals = lib.ia_plugin_device_totals(device)
 
     def total(key: str) -> int:
@@ -219,23 +400,34 @@ def memory_stats(device: int | None = None) -> dict:
 
 
 def reset_peak_memory_stats(device: int | None = None) -> None:
-    lib.ia_plugin_reset_peaks(_device_index(device))
+    device = _device_index(device)
+    lib.ia_plugin_reset_peaks(device)
+    if _pytorch_counts():
+        import torch
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _device_total(field: str, torch_name: str, device) -> int:
+    if _pytorch_counts():
+        import torch
+        return getattr(torch.cuda, torch_name)(_device_index(device))
+    return int(getattr(lib.ia_plugin_device_totals(_device_index(device)), field))
 
 
 def memory_allocated(device: int | None = None) -> int:
-    return int(lib.ia_plugin_device_totals(_device_index(device)).in_use)
+    return _device_total("in_use", "memory_allocated", device)
 
 
 def max_memory_allocated(device: int | None = None) -> int:
-    return int(lib.ia_plugin_device_totals(_device_index(device)).in_use_peak)
+    return _device_total("in_use_peak", "max_memory_allocated", device)
 
 
 def memory_reserved(device: int | None = None) -> int:
-    return int(lib.ia_plugin_device_totals(_device_index(device)).capacity)
+    return _device_total("capacity", "memory_reserved", device)
 
 
 def max_memory_reserved(device: int | None = None) -> int:
-    return int(lib.ia_plugin_device_totals(_device_index(device)).capacity_peak)
+    return _device_total("capacity_peak", "max_memory_reserved", device)
 
 
 def device_is_unified(device: int | None = None) -> bool:

@@ -3,7 +3,7 @@
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
-#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-indexer] [alloc-bench] [indexer]
+#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-scoped] [tests-indexer] [alloc-bench] [indexer]
 #                           [indexer-goals] [topk] [replay] [tp]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests)
@@ -47,7 +47,11 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
   case "$stage" in
     setup) setup ;;
     tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
-                   tests/test_plugin_gpu.py tests/test_plugin_cpu.py tests/test_unified.py ;;
+                   tests/test_plugin_gpu.py tests/test_scoped_gpu.py tests/test_plugin_cpu.py \
+                   tests/test_unified.py ;;
+    tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider \
+                    tests/test_scoped_gpu.py tests/test_engines.py \
+                    "tests/test_indexer_gpu.py::test_prefill_same_indices_with_and_without_the_arena" ;;
     tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer_gpu.py ;;
     alloc-bench)
       step seed_workload $py benchmarks/seed_workload.py --json "$OUT/seed_workload.json"

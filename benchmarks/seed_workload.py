@@ -8,7 +8,7 @@ side by side, the device memory taken (cudaMemGetInfo delta from the first alloc
 allocator's device calls and the wall time. Without one, the workspace runs on the host-backed
 arena (the same C core over host memory) beside the fit check's model of PyTorch's allocator.
 
-    python benchmarks/seed_workload.py [--allocators default,expandable,cuda-async,arena]
+    python benchmarks/seed_workload.py [--allocators default,expandable,cuda-async,arena,arena-workspace]
                                        [--prompt-tokens N] [--json FILE]
 """
 
@@ -24,11 +24,12 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-ALLOCATORS = {  # name -> PYTORCH_CUDA_ALLOC_CONF (None: this project's arena)
-    "default": "",
-    "expandable": "expandable_segments:True",
-    "cuda-async": "backend:cudaMallocAsync",
-    "arena": None,
+ALLOCATORS = {  # name -> (PYTORCH_CUDA_ALLOC_CONF, the arena's scope or None)
+    "default": ("", None),
+    "expandable": ("expandable_segments:True", None),
+    "cuda-async": ("backend:cudaMallocAsync", None),
+    "arena": ("", "process"),
+    "arena-workspace": ("", "workspace"),
 }
 MiB = 1 << 20
 TOPK = 2048
@@ -45,18 +46,23 @@ def run_on_gpu(args) -> dict:
     import torch
 
     import alloc
-    if args.worker == "arena":
-        alloc.install(alloc.Config(budget_mb=args.budget_mb))
+    scope = ALLOCATORS[args.worker][1]
+    if scope:
+        alloc.install(alloc.Config(budget_mb=args.budget_mb), scope=scope)
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
-    workspace = alloc.workspace if args.worker == "arena" else _no_scope
+    workspace = alloc.workspace if scope else _no_scope
 
     def device_calls() -> int:
-        if args.worker == "arena":
+        if scope == "process":
             return alloc.memory_stats()["num_device_alloc"]
         if args.worker == "cuda-async":
             return -1  # the driver's pool does not report its own growth
-        return torch.cuda.memory_stats().get("num_device_alloc", 0)
+        calls = torch.cuda.memory_stats().get("num_device_alloc", 0)
+        if scope == "workspace":  # the pool's segments come from the arena's one reservation
+            stats = alloc.memory_stats()
+            calls += stats["arena.workspace.backend_reserves"] - len(alloc.pool_snapshot())
+        return calls
 
     rows, peak = [], 0
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -77,7 +83,7 @@ def run_on_gpu(args) -> dict:
     wall = time.perf_counter() - start
     out = {"allocator": args.worker, "wall_s": wall, "peak_device_bytes": peak, "chunks": rows,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    if args.worker == "arena":
+    if scope:
         stats = alloc.memory_stats()
         out["workspace_device_calls"] = stats["arena.workspace.backend_reserves"]
         out["workspace_capacity"] = stats["arena.workspace.capacity"]
@@ -95,7 +101,7 @@ class _no_scope:
 def compare_on_gpu(args) -> list[dict]:
     results = []
     for name in args.allocators:
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ALLOCATORS[name] or ""}
+        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ALLOCATORS[name][0]}
         cmd = [sys.executable, __file__, "--worker", name, *_common(args)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
@@ -132,9 +138,8 @@ def print_gpu_table(results: list[dict], console: Console) -> None:
                       "n/a" if calls < 0 else str(calls), f"{r['wall_s']:.2f}",
                       f"{r['wall_s'] / base:.2f}" if base else "-")
     console.print(table)
-    arena = next((r for r in ok if r["allocator"] == "arena"), None)
-    if arena:
-        console.print(f"arena: workspace reserved {arena['workspace_capacity'] / MiB:.0f} MiB with "
+    for arena in (r for r in ok if "workspace_capacity" in r):
+        console.print(f"{arena['allocator']}: workspace reserved {arena['workspace_capacity'] / MiB:.0f} MiB with "
                       f"{arena['workspace_device_calls']} device call(s); device memory from the first "
                       f"chunk to the last: {min(c['device_bytes'] for c in arena['chunks']) / MiB:.0f}"
                       f"-{max(c['device_bytes'] for c in arena['chunks']) / MiB:.0f} MiB")

@@ -241,7 +241,14 @@ void ia_arena_set_trace(ia_arena_t *arena, ia_trace_t *trace, int32_t device, ui
  * ---------------------------------------------------------------------------------------------- */
 enum { IA_POOL_WORKSPACE = 0, IA_POOL_SMALL = 1, IA_POOL_LARGE = 2, IA_POOL_COUNT = 3 };
 
+/* How the plugin serves PyTorch. Process scope: ia_torch_alloc/free are the process's CUDA
+ * allocator (change_current_allocator) and every pool exists. Workspace scope: PyTorch's own
+ * allocator stays, and ia_pool_alloc/free back one torch.cuda.MemPool per device with the
+ * workspace arena alone; the general pools are never made. */
+enum { IA_SCOPE_PROCESS = 0, IA_SCOPE_WORKSPACE = 1 };
+
 typedef struct ia_plugin_config {
+  int scope;                  /* IA_SCOPE_PROCESS or IA_SCOPE_WORKSPACE */
   size_t budget;              /* bytes of each device's workspace arena */
   size_t alignment;           /* of workspace blocks */
   const char *cudart_path;    /* the CUDA runtime PyTorch loaded */
@@ -272,6 +279,14 @@ ia_status_t ia_plugin_trace_start(size_t capacity);
 ia_trace_t *ia_plugin_trace(void);
 bool ia_plugin_write_report(const char *path);
 
+/* Workspace scope: the MemPool's one large segment, the budget rounded up the way PyTorch rounds
+ * a segment (2 MiB steps, 20 MiB at least). The arena holds it and one small-block segment
+ * (2 MiB) for requests of 1 MiB or less, in one reservation. */
+size_t ia_plugin_pool_segment(void);
+/* Segment requests of the calling thread the workspace pool refused (each returned NULL to
+ * PyTorch); ia_plugin_failure() says why the last one was. */
+uint64_t ia_plugin_pool_refusals(void);
+
 /* The workspace scope of the calling thread: allocations inside go to the workspace arena. */
 void ia_workspace_enter(void);
 bool ia_workspace_exit(void); /* false when the thread is in no scope */
@@ -284,5 +299,10 @@ void ia_torch_free(void *ptr, ssize_t size, int device, void *stream);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
 void ia_torch_memory_fraction(double fraction, int device);
+/* What a torch.cuda.MemPool calls in workspace scope (exported): PyTorch's caching layer asks for
+ * segments, which come from the device's workspace arena. A refusal returns NULL, which PyTorch
+ * turns into its own out-of-memory path (retry, then torch.OutOfMemoryError). */
+void *ia_pool_alloc(ssize_t size, int device, void *stream);
+void ia_pool_free(void *ptr, ssize_t size, int device, void *stream);
 
 #endif /* INDEXER_ARENA_H */

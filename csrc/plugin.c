@@ -1,7 +1,8 @@
 /* The entry points PyTorch's CUDAPluggableAllocator calls, and the routing behind them.
  *
- * Each device gets two general arenas on first use, and its workspace arena on first workspace use
- * (or ia_plugin_reserve), so a process that never asks for a workspace pays nothing for it:
+ * Process scope (the process's allocator): each device gets two general arenas on first use, and
+ * its workspace arena on first workspace use (or ia_plugin_reserve), so a process that never asks
+ * for a workspace pays nothing for it:
  *   workspace  fixed, one reservation of the budget; serves allocations made while this thread is
  *              inside a workspace scope (ia_workspace_enter/exit), and never asks for more memory;
  *   small      growable, requests up to 1 MiB, 2 MiB regions;
@@ -9,6 +10,11 @@
  * The general arenas are the caching layer for every other tensor: a freed block goes back to its
  * arena, stream-ordered, and no tensor costs a cudaMalloc once its size class has a region.
  * Region sizes follow PyTorch's own caching allocator so that peak memory stays comparable.
+ *
+ * Workspace scope (a torch.cuda.MemPool's backend, ia_pool_alloc/free): PyTorch's caching layer
+ * sits on top and keeps every segment it is given while the pool lives, so the pool is handed one
+ * budget-sized segment first (primed from Python) and splits every workspace from it; the arena
+ * reserves that segment and one small-block segment once, and never grows.
  *
  * Failure: PyTorch turns a NULL from the alloc function into a tensor at address 0, so this file
  * never returns NULL for a non-zero request. It formats a message and calls the raise_oom hook,
@@ -27,6 +33,11 @@
 #define MAX_DEVICES 64
 #define SMALL_REQUEST ((size_t)1 << 20)
 #define MiB ((size_t)1 << 20)
+/* PyTorch's caching allocator: a small-block segment (kSmallBuffer) and the smallest large one
+ * (kLargeBuffer); large segments grow in 2 MiB steps (kRoundLarge). */
+#define TORCH_SMALL_SEGMENT (2 * MiB)
+#define TORCH_MIN_LARGE_SEGMENT (20 * MiB)
+#define TORCH_SEGMENT_ROUND (2 * MiB)
 
 typedef struct {
   _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
@@ -34,6 +45,7 @@ typedef struct {
   ia_arena_t *arenas[IA_POOL_COUNT];
   ia_totals_t totals;
   bool unified;
+  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
 } device_slot_t;
 
 static struct {
@@ -46,6 +58,7 @@ static struct {
 } plugin = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static __thread int workspace_depth;
+static __thread uint64_t pool_refusals;
 
 static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "large"};
 
@@ -82,12 +95,18 @@ static ia_status_t make_backend(int device, bool unified, ia_backend_t **out) {
   return ia_guard_backend_create(*out, &g, out);
 }
 
+size_t ia_plugin_pool_segment(void) {
+  size_t segment = _ia_align_up(plugin.config.budget, TORCH_SEGMENT_ROUND);
+  return segment < TORCH_MIN_LARGE_SEGMENT ? TORCH_MIN_LARGE_SEGMENT : segment;
+}
+
 static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
   ia_totals_t *totals = &plugin.devices[device].totals;
   ia_arena_options_t o;
   ia_arena_default_options(&o);
   if (pool == IA_POOL_WORKSPACE) {
-    o.capacity = plugin.config.budget;
+    o.capacity = plugin.config.scope == IA_SCOPE_WORKSPACE ? ia_plugin_pool_segment() + TORCH_SMALL_SEGMENT
+                                                           : plugin.config.budget;
     o.alignment = plugin.config.alignment;
   } else {
     o.growable = true;
@@ -130,7 +149,7 @@ static ia_status_t create_device(int device) {
       st = ia_cuda_memory_attributes(device, &attributes);
       unified = st == IA_OK && ia_memory_is_unified(&attributes);
     }
-    for (int p = IA_POOL_SMALL; st == IA_OK && p < IA_POOL_COUNT; p++)
+    for (int p = IA_POOL_SMALL; st == IA_OK && plugin.config.scope == IA_SCOPE_PROCESS && p < IA_POOL_COUNT; p++)
       st = make_arena(device, unified, p, &slot->arenas[p]);
     if (st != IA_OK) {
       if (plugin.configured) describe_backend_failure(st);
@@ -140,6 +159,7 @@ static ia_status_t create_device(int device) {
       }
     }
     slot->unified = unified;
+    atomic_store(&slot->pool_stream, IA_STREAM_NONE);
     atomic_store(&slot->ready, st == IA_OK ? 1 : -1);
   }
   pthread_mutex_unlock(&plugin.lock);
@@ -186,20 +206,23 @@ ia_status_t ia_plugin_reserve(int device) {
 
 const char *ia_plugin_failure(void) { return failure; }
 
-ia_arena_t *ia_plugin_arena(int device, int pool) {
-  if (device < 0 || device >= MAX_DEVICES || pool < 0 || pool >= IA_POOL_COUNT) return NULL;
-  device_slot_t *slot = &plugin.devices[device];
-  _Atomic int *ready = pool == IA_POOL_WORKSPACE ? &slot->workspace_ready : &slot->ready;
-  return atomic_load_explicit(ready, memory_order_acquire) == 1 ? slot->arenas[pool] : NULL;
+static bool device_ready(int device) {
+  return device >= 0 && device < MAX_DEVICES &&
+         atomic_load_explicit(&plugin.devices[device].ready, memory_order_acquire) == 1;
 }
 
-bool ia_plugin_device_unified(int device) {
-  return ia_plugin_arena(device, IA_POOL_SMALL) && plugin.devices[device].unified;
+ia_arena_t *ia_plugin_arena(int device, int pool) {
+  if (!device_ready(device) || pool < 0 || pool >= IA_POOL_COUNT) return NULL;
+  device_slot_t *slot = &plugin.devices[device];
+  if (pool == IA_POOL_WORKSPACE && !atomic_load_explicit(&slot->workspace_ready, memory_order_acquire)) return NULL;
+  return slot->arenas[pool];
 }
+
+bool ia_plugin_device_unified(int device) { return device_ready(device) && plugin.devices[device].unified; }
 
 ia_device_totals_t ia_plugin_device_totals(int device) {
   ia_device_totals_t out = {0};
-  if (!ia_plugin_arena(device, IA_POOL_SMALL)) return out;
+  if (!device_ready(device)) return out;
   ia_totals_t *t = &plugin.devices[device].totals;
   out.in_use = atomic_load(&t->in_use);
   out.in_use_peak = atomic_load(&t->in_use_peak);
@@ -209,7 +232,7 @@ ia_device_totals_t ia_plugin_device_totals(int device) {
 }
 
 void ia_plugin_reset_peaks(int device) {
-  if (!ia_plugin_arena(device, IA_POOL_SMALL)) return;
+  if (!device_ready(device)) return;
   for (int p = 0; p < IA_POOL_COUNT; p++)
     if (ia_plugin_arena(device, p)) ia_arena_reset_peaks(plugin.devices[device].arenas[p]);
   _ia_totals_reset_peaks(&plugin.devices[device].totals);
@@ -217,6 +240,7 @@ void ia_plugin_reset_peaks(int device) {
 
 uint64_t ia_plugin_ooms(void) { return atomic_load(&plugin.ooms); }
 uint64_t ia_plugin_retries(void) { return atomic_load(&plugin.retries); }
+uint64_t ia_plugin_pool_refusals(void) { return pool_refusals; }
 
 void ia_workspace_enter(void) { workspace_depth++; }
 bool ia_workspace_exit(void) {
@@ -237,7 +261,7 @@ ia_status_t ia_plugin_trace_start(size_t capacity) {
     for (int d = 0; d < MAX_DEVICES; d++)
       if (atomic_load(&plugin.devices[d].ready) == 1)
         for (int p = 0; p < IA_POOL_COUNT; p++)
-          if (plugin.devices[d].arenas[p]) ia_arena_set_trace(plugin.devices[d].arenas[p], plugin.trace, d, (uint8_t)p);
+          if (ia_plugin_arena(d, p)) ia_arena_set_trace(plugin.devices[d].arenas[p], plugin.trace, d, (uint8_t)p);
   }
   pthread_mutex_unlock(&plugin.lock);
   return st;
@@ -317,6 +341,11 @@ IA_EXPORT void *ia_torch_alloc(ssize_t size, int device, void *stream) {
   if (size <= 0) return NULL;
   ia_status_t st;
   device_slot_t *slot = device_slot(device, &st);
+  if (slot && plugin.config.scope != IA_SCOPE_PROCESS) {
+    snprintf(failure, sizeof failure, "the allocator is installed for workspace pools only, not as the "
+             "process's allocator: its MemPools call ia_pool_alloc");
+    st = IA_ERR_INVALID_ARGUMENT;
+  }
   if (slot && workspace_depth) st = ensure_workspace(slot, device);
   if (st != IA_OK) fail_alloc(device, -1, (size_t)size, st);
   int pool = workspace_depth ? IA_POOL_WORKSPACE : (size_t)size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
@@ -344,7 +373,8 @@ IA_EXPORT void ia_torch_free(void *ptr, ssize_t size, int device, void *stream) 
   if (!ptr) return;
   ia_status_t st;
   device_slot_t *slot = device_slot(device, &st);
-  if (slot) st = ia_arena_free(owner(slot, ptr, (size_t)size), ptr, (ia_stream_t)stream);
+  ia_arena_t *arena = slot ? owner(slot, ptr, (size_t)size) : NULL;
+  if (slot) st = arena ? ia_arena_free(arena, ptr, (ia_stream_t)stream) : IA_ERR_FOREIGN_POINTER;
   /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
   if (st != IA_OK)
     fprintf(stderr, "indexer-arena: free(%p, %zd bytes, device %d) refused: %s\n", ptr, size, device,
@@ -374,8 +404,56 @@ void ia_torch_memory_fraction(double fraction, int device) {
 
 void ia_torch_empty_cache(void) {
   for (int d = 0; d < MAX_DEVICES; d++)
-    if (atomic_load(&plugin.devices[d].ready) == 1)
-      for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++) ia_arena_release_cached(plugin.devices[d].arenas[p]);
+    for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++)
+      if (ia_plugin_arena(d, p)) ia_arena_release_cached(plugin.devices[d].arenas[p]);
+}
+
+/* ---- workspace scope: the MemPool's backend ------------------------------------------------- */
+
+static void describe_pool_refusal(device_slot_t *slot, int device, size_t size, void *stream) {
+  char req[32], state[256], budget[32], other[384] = "";
+  describe_arena(slot->arenas[IA_POOL_WORKSPACE], state, sizeof state);
+  ia_stream_t first = atomic_load(&slot->pool_stream);
+  if (first != (ia_stream_t)stream)
+    snprintf(other, sizeof other, " The budget's segment belongs to stream %#" PRIxPTR " and this request "
+             "came on stream %#" PRIxPTR ": PyTorch gives a segment's blocks to its own stream only, so in "
+             "workspace scope keep each device's workspaces on one stream, or use the process scope.",
+             (uintptr_t)first, (uintptr_t)stream);
+  snprintf(failure, sizeof failure, "the workspace pool of device %d asked for a new segment of %s and its "
+           "arena (budget %s) %s.%s", device, _ia_format_bytes(size, req, sizeof req),
+           _ia_format_bytes(plugin.config.budget, budget, sizeof budget), state, other);
+}
+
+IA_EXPORT void *ia_pool_alloc(ssize_t size, int device, void *stream) {
+  if (size <= 0) return NULL;
+  ia_status_t st;
+  device_slot_t *slot = device_slot(device, &st);
+  if (slot && plugin.config.scope != IA_SCOPE_WORKSPACE) {
+    snprintf(failure, sizeof failure, "the allocator is installed for the whole process, not for workspace pools");
+    st = IA_ERR_INVALID_ARGUMENT;
+  }
+  if (st == IA_OK) st = ensure_workspace(slot, device);
+  void *p = NULL;
+  if (st == IA_OK) {
+    ia_stream_t none = IA_STREAM_NONE;
+    atomic_compare_exchange_strong(&slot->pool_stream, &none, (ia_stream_t)stream);
+    st = ia_arena_alloc(slot->arenas[IA_POOL_WORKSPACE], (size_t)size, (ia_stream_t)stream, &p);
+    if (st != IA_OK) describe_pool_refusal(slot, device, (size_t)size, stream);
+  }
+  if (st != IA_OK) {
+    pool_refusals++;
+    return NULL;
+  }
+  return p;
+}
+
+IA_EXPORT void ia_pool_free(void *ptr, ssize_t size, int device, void *stream) {
+  if (!ptr) return;
+  ia_arena_t *workspace = ia_plugin_arena(device, IA_POOL_WORKSPACE);
+  ia_status_t st = workspace ? ia_arena_free(workspace, ptr, (ia_stream_t)stream) : IA_ERR_FOREIGN_POINTER;
+  if (st != IA_OK)
+    fprintf(stderr, "indexer-arena: pool free(%p, %zd bytes, device %d) refused: %s\n", ptr, size, device,
+            ia_status_str(st));
 }
 
 /* ---- the out-of-memory report ----------------------------------------------------------------- */

@@ -429,7 +429,8 @@ def test_prefill_driver_matches_whole_request_computation():
     assert agree.mean().item() >= EXACT_AGREE[FP8][0]
 
 
-def test_prefill_same_indices_with_and_without_the_arena(tmp_path):
+@pytest.mark.parametrize("scope", ["process", "workspace"])
+def test_prefill_same_indices_with_and_without_the_arena(tmp_path, scope):
     if not alloc_available():
         pytest.skip("the alloc extension is not built")
     plain = run_driver().cpu()
@@ -439,30 +440,37 @@ def test_prefill_same_indices_with_and_without_the_arena(tmp_path):
         [str(root)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("INDEXER_ARENA_CONF", None)
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--arena-child",
-                           str(out)], cwd=root, env=env,
+                           str(out), scope], cwd=root, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     report(test="arena", **child)
-    assert child["installed"]
-    assert child["workspace_requests"] == child["pieces"], "every logits buffer from the arena"
-    assert child["max_piece_bytes"] <= child["workspace_peak"] <= 64 << 20
+    assert child["scope"] == scope
+    if scope == "process":
+        assert child["workspace_requests"] == child["pieces"], "every logits buffer from the arena"
+        assert child["max_piece_bytes"] <= child["workspace_peak"] <= 64 << 20
+    else:  # PyTorch's pool splits every piece out of the one segment the arena gave it
+        assert child["workspace_requests"] == 1 and child["pool_segments"] == 1
+        assert child["max_piece_bytes"] <= 64 << 20
     assert torch.equal(torch.load(out), plain)
 
 
-def _arena_child(path: str) -> None:
+def _arena_child(path: str, scope: str) -> None:
     import alloc
-    alloc.install(alloc.Config(budget_mb=64))
+    alloc.install(alloc.Config(budget_mb=64), scope=scope)
     stats = PrefillStats()
     idx = run_driver(stats)
     torch.cuda.synchronize()
     ms = alloc.memory_stats()
     torch.save(idx.cpu(), path)
-    print(json.dumps(dict(installed=alloc.is_installed(), pieces=stats.pieces,
-                          max_piece_bytes=stats.max_piece_bytes,
-                          workspace_requests=int(ms["arena.workspace.requests_served"]),
-                          workspace_peak=int(ms["arena.workspace.in_use_peak"]))))
+    out = dict(scope=alloc.installed_scope(), pieces=stats.pieces,
+               max_piece_bytes=stats.max_piece_bytes,
+               workspace_requests=int(ms["arena.workspace.requests_served"]),
+               workspace_peak=int(ms["arena.workspace.in_use_peak"]))
+    if scope == "workspace":
+        out["pool_segments"] = len(alloc.pool_snapshot(0))
+    print(json.dumps(out))
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--arena-child":
-    _arena_child(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--arena-child":
+    _arena_child(sys.argv[2], sys.argv[3])
