@@ -139,9 +139,10 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     c.cudart_path, c.meminfo_path, c.oom_report_path = strings
     c.unified = {"auto": -1, "off": 0, "on": 1}[config.unified]
     c.host_headroom = config.host_headroom_bytes
-    if scope == "process":  # the pool scope never throws: a refused segment returns NULL
-        from . import oom_shim
-        c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())
+    from . import oom_shim
+    c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())
+    if scope == "workspace":
+        c.pool_message = _pool_message
     if lib.ia_plugin_configure(c) != lib.IA_OK:
         raise InstallError("the C core refused the configuration: a device already has arenas")
     if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
@@ -273,15 +274,10 @@ def workspace() -> Iterator[None]:
     import torch
     device = torch.cuda.current_device()
     pool = workspace_pool(device)
-    refusals = lib.ia_plugin_pool_refusals()
     lib.ia_workspace_enter()
     try:
         with torch.cuda.use_mem_pool(pool, device):
             yield
-    except torch.OutOfMemoryError as e:
-        if lib.ia_plugin_pool_refusals() == refusals:
-            raise
-        raise torch.OutOfMemoryError(_pool_out_of_memory(device)) from e
     finally:
         lib.ia_workspace_exit()
 
@@ -299,9 +295,19 @@ def pool_snapshot(device=None) -> list[dict]:
             if any(lo <= seg["address"] < hi for lo, hi in inside)]
 
 
+_messages = threading.local()  # keeps each thread's last pool message alive for the C core
+
+
+@ffi.callback("const char *(int)", onerror=lambda *exc: None)
+def _pool_message(device: int):
+    _messages.last = ffi.new("char[]", _pool_out_of_memory(device).encode())
+    return _messages.last
+
+
 def _pool_out_of_memory(device: int) -> str:
-    """The message of a workspace request the pool could not place, from PyTorch's own view of
-    the pool's segments (read after PyTorch has raised, so its state is whole)."""
+    """The message of a workspace request the pool cannot place, from PyTorch's own view of the
+    pool's segments. It runs inside PyTorch's allocator on the refusing thread, before the
+    allocator changes anything: its lock is recursive, so the snapshot reads a whole state."""
     used = largest = 0
     for seg in pool_snapshot(device):
         for block in seg["blocks"]:

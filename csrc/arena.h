@@ -258,6 +258,10 @@ typedef struct ia_plugin_config {
   const char *cgroup_root;    /* NULL: /sys/fs/cgroup */
   const char *oom_report_path;/* NULL: none; else written on every out-of-memory */
   void (*raise_oom)(const char *message); /* throws c10::OutOfMemoryError; never returns */
+  /* Workspace scope: the whole message of a refused segment request for this device, read from
+   * PyTorch's view of the pool (NULL: the core's own). Called on the refusing thread, inside
+   * PyTorch's allocator, just before raise_oom. */
+  const char *(*pool_message)(int device);
 } ia_plugin_config_t;
 
 /* Refused (IA_ERR_INVALID_ARGUMENT) once any device has its arenas. */
@@ -283,9 +287,6 @@ bool ia_plugin_write_report(const char *path);
  * a segment (2 MiB steps, 20 MiB at least). The arena holds it and one small-block segment
  * (2 MiB) for requests of 1 MiB or less, in one reservation. */
 size_t ia_plugin_pool_segment(void);
-/* Segment requests of the calling thread the workspace pool refused (each returned NULL to
- * PyTorch); ia_plugin_failure() says why the last one was. */
-uint64_t ia_plugin_pool_refusals(void);
 
 /* The workspace scope of the calling thread: allocations inside go to the workspace arena. */
 void ia_workspace_enter(void);
@@ -300,8 +301,9 @@ void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
 void ia_torch_memory_fraction(double fraction, int device);
 /* What a torch.cuda.MemPool calls in workspace scope (exported): PyTorch's caching layer asks for
- * segments, which come from the device's workspace arena. A refusal returns NULL, which PyTorch
- * turns into its own out-of-memory path (retry, then torch.OutOfMemoryError). */
+ * segments, which come from the device's workspace arena. A refusal raises through raise_oom
+ * (PyTorch's retry could not help: it never releases a live pool's segments), or returns NULL
+ * without a hook, which PyTorch turns into its own out-of-memory error. */
 void *ia_pool_alloc(ssize_t size, int device, void *stream);
 void ia_pool_free(void *ptr, ssize_t size, int device, void *stream);
 

@@ -58,7 +58,6 @@ static struct {
 } plugin = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static __thread int workspace_depth;
-static __thread uint64_t pool_refusals;
 
 static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "large"};
 
@@ -240,7 +239,6 @@ void ia_plugin_reset_peaks(int device) {
 
 uint64_t ia_plugin_ooms(void) { return atomic_load(&plugin.ooms); }
 uint64_t ia_plugin_retries(void) { return atomic_load(&plugin.retries); }
-uint64_t ia_plugin_pool_refusals(void) { return pool_refusals; }
 
 void ia_workspace_enter(void) { workspace_depth++; }
 bool ia_workspace_exit(void) {
@@ -411,17 +409,18 @@ void ia_torch_empty_cache(void) {
 /* ---- workspace scope: the MemPool's backend ------------------------------------------------- */
 
 static void describe_pool_refusal(device_slot_t *slot, int device, size_t size, void *stream) {
-  char req[32], state[256], budget[32], other[384] = "";
-  describe_arena(slot->arenas[IA_POOL_WORKSPACE], state, sizeof state);
+  char req[32], left[32], other[384] = "";
+  ia_stats_t s;
+  ia_arena_stats(slot->arenas[IA_POOL_WORKSPACE], &s);
   ia_stream_t first = atomic_load(&slot->pool_stream);
   if (first != (ia_stream_t)stream)
     snprintf(other, sizeof other, " The budget's segment belongs to stream %#" PRIxPTR " and this request "
              "came on stream %#" PRIxPTR ": PyTorch gives a segment's blocks to its own stream only, so in "
              "workspace scope keep each device's workspaces on one stream, or use the process scope.",
              (uintptr_t)first, (uintptr_t)stream);
-  snprintf(failure, sizeof failure, "the workspace pool of device %d asked for a new segment of %s and its "
-           "arena (budget %s) %s.%s", device, _ia_format_bytes(size, req, sizeof req),
-           _ia_format_bytes(plugin.config.budget, budget, sizeof budget), state, other);
+  snprintf(failure, sizeof failure, "the pool of device %d asked its arena for another segment of %s on stream "
+           "%#" PRIxPTR ", and the arena has %s left in one piece.%s", device, _ia_format_bytes(size, req, sizeof req),
+           (uintptr_t)stream, _ia_format_bytes(s.largest_free, left, sizeof left), other);
 }
 
 IA_EXPORT void *ia_pool_alloc(ssize_t size, int device, void *stream) {
@@ -441,7 +440,10 @@ IA_EXPORT void *ia_pool_alloc(ssize_t size, int device, void *stream) {
     if (st != IA_OK) describe_pool_refusal(slot, device, (size_t)size, stream);
   }
   if (st != IA_OK) {
-    pool_refusals++;
+    if (plugin.config.raise_oom) {
+      const char *message = plugin.config.pool_message ? plugin.config.pool_message(device) : NULL;
+      raise_oom(message && message[0] ? message : failure);
+    }
     return NULL;
   }
   return p;

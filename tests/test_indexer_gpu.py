@@ -450,8 +450,9 @@ def test_prefill_same_indices_with_and_without_the_arena(tmp_path, scope):
         assert child["workspace_requests"] == child["pieces"], "every logits buffer from the arena"
         assert child["max_piece_bytes"] <= child["workspace_peak"] <= 64 << 20
     else:  # PyTorch's pool splits every piece out of the one segment the arena gave it
-        assert child["workspace_requests"] == 1 and child["pool_segments"] == 1
-        assert child["max_piece_bytes"] <= 64 << 20
+        # (and, for pieces of 1 MiB or less, the one small-block segment beside it)
+        assert child["pool_segments"] in ([64 << 20], [64 << 20, 2 << 20]), child
+        assert child["workspace_requests"] == len(child["pool_segments"])
     assert torch.equal(torch.load(out), plain)
 
 
@@ -468,7 +469,7 @@ def _arena_child(path: str, scope: str) -> None:
                workspace_requests=int(ms["arena.workspace.requests_served"]),
                workspace_peak=int(ms["arena.workspace.in_use_peak"]))
     if scope == "workspace":
-        out["pool_segments"] = len(alloc.pool_snapshot(0))
+        out["pool_segments"] = sorted((s["total_size"] for s in alloc.pool_snapshot(0)), reverse=True)
     print(json.dumps(out))
 
 

@@ -19,6 +19,7 @@ torch.cuda.init()
 free0 = torch.cuda.mem_get_info()[0]
 from alloc.fit import seed_workload
 taken, pieces = [], 0
+plans = len(list(seed_workload(254_000, 3_200, 4, 512 << 20, topk=0)))
 g = torch.Generator(device="cuda").manual_seed(7)
 for plan in seed_workload(254_000, 3_200, 4, 512 << 20, topk=0):
     for rows in plan.pieces:
@@ -33,7 +34,7 @@ for plan in seed_workload(254_000, 3_200, 4, 512 << 20, topk=0):
     taken.append(free0 - torch.cuda.mem_get_info()[0])
 s = alloc.memory_stats()
 segments = alloc.pool_snapshot(0)
-print(json.dumps({"taken": taken, "pieces": pieces, "plans": plan.index + 1,
+print(json.dumps({"taken": taken, "pieces": pieces, "plans": plans,
                   "reserves": s["arena.workspace.backend_reserves"],
                   "arena_capacity": s["arena.workspace.capacity"],
                   "segments": [seg["total_size"] for seg in segments],
@@ -41,8 +42,8 @@ print(json.dumps({"taken": taken, "pieces": pieces, "plans": plan.index + 1,
                   "segment_allocs": s["num_device_alloc"]}))
 """)
     MiB = 1 << 20
-    assert out["plans"] == 80 and out["pieces"] > 80
-    assert out["reserves"] == 1 and out["arena_capacity"] == 514 * MiB
+    assert out["pieces"] > out["plans"] == len(out["taken"]) > 70, out
+    assert out["reserves"] == 1 and out["arena_capacity"] == 514 * MiB, out
     assert out["segments"] == [512 * MiB], "every workspace split from the one budget segment"
     # Flat from the first chunk to the last: the arena plus PyTorch's own few MiB of the rest.
     assert max(out["taken"]) - min(out["taken"]) <= 4 * MiB, out["taken"]
@@ -110,7 +111,7 @@ print(json.dumps({"msg": msg, "again": again.sum().item(), "ok": torch.ones(5, d
                   "reserves": alloc.memory_stats()["arena.workspace.backend_reserves"]}))
 """)
     msg = out["msg"]
-    assert msg and "budget 64.00 MiB" in msg and "40.00 MiB in use" in msg
+    assert msg and "budget 64.00 MiB" in msg and "40.00 MiB in use" in msg, msg
     assert "largest free block 24.00 MiB" in msg and "budget_mb" in msg
     assert out["again"] == 60 << 20 and out["ok"] == 5 and out["reserves"] == 1
 
@@ -127,8 +128,8 @@ with torch.cuda.stream(side), alloc.workspace():
     except torch.OutOfMemoryError as e:
         msg = str(e)
 with alloc.workspace():
-    ok = torch.ones(8 << 20, dtype=torch.uint8, device="cuda").sum().item()
-print(json.dumps({"msg": msg, "side": hex(side.cuda_stream), "ok": ok}))
+    ok = torch.ones(8 << 20, dtype=torch.uint8, device="cuda")
+print(json.dumps({"msg": msg, "side": hex(side.cuda_stream), "ok": ok.sum().item()}))
 """)
     assert out["msg"] and out["side"] in out["msg"] and "one stream" in out["msg"]
     assert out["ok"] == 8 << 20
