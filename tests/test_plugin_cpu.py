@@ -1,6 +1,8 @@
 """The plugin's CPU-checkable parts: the out-of-memory path through the C++ shim, configuration
 order, the workspace scope and the statistics before any device exists."""
 
+import shutil
+import subprocess
 import threading
 
 import pytest
@@ -31,6 +33,31 @@ def test_out_of_memory_is_thrown_as_c10_out_of_memory_error():
     assert "c10::OutOfMemoryError" in done.stderr, done.stderr
     assert "CUDA out of memory on device 0: cannot allocate 4.00 KiB" in done.stderr
     assert "/nonexistent/libcudart.so" in done.stderr
+
+
+def test_the_pool_entry_point_raises_too_and_returns_null_without_a_hook():
+    # Workspace scope: PyTorch's caching layer calls ia_pool_alloc; a refusal throws through the
+    # hook, and without one it returns NULL, which PyTorch turns into its own out-of-memory error.
+    code = OOM_VIA_SHIM.replace("lib.ia_torch_alloc(4096, 0, ffi.NULL)",
+                                "print(lib.ia_pool_alloc(4096, 0, ffi.NULL) == ffi.NULL)")
+    code = code.replace("c.budget, c.alignment", "c.scope = lib.IA_SCOPE_WORKSPACE\nc.budget, c.alignment")
+    done = run_python(code.format(
+        hook='c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())'))
+    assert done.returncode != 0 and "c10::OutOfMemoryError" in done.stderr, done.stderr
+    assert "/nonexistent/libcudart.so" in done.stderr
+    done = run_python(code.format(hook=""))
+    assert done.returncode == 0 and done.stdout.split() == ["True", "returned"], done.stderr
+
+
+def test_the_core_exports_only_what_pytorch_looks_up():
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm on this machine")
+    from alloc.plugin import core_library_path
+    listed = subprocess.run([nm, "-D", "--defined-only", core_library_path()], capture_output=True,
+                            text=True, check=True).stdout
+    names = {line.split()[-1] for line in listed.splitlines() if line.split()[1:2] == ["T"]}
+    assert names == {"PyInit__core", "ia_torch_alloc", "ia_torch_free", "ia_pool_alloc", "ia_pool_free"}
 
 
 def test_without_a_hook_it_aborts_with_the_message_instead_of_returning_null():
