@@ -1,9 +1,7 @@
 """The workspace scope on a real GPU: the arena behind one torch.cuda.MemPool per device, with
 PyTorch's own allocator serving everything else. Each test runs in a fresh interpreter."""
 
-import pathlib
 import subprocess
-import sys
 
 import pytest
 
