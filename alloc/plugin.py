@@ -141,8 +141,6 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     c.host_headroom = config.host_headroom_bytes
     from . import oom_shim
     c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())
-    if scope == "workspace":
-        c.pool_message = _pool_message
     if lib.ia_plugin_configure(c) != lib.IA_OK:
         raise InstallError("the C core refused the configuration: a device already has arenas")
     if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
@@ -259,10 +257,11 @@ def workspace() -> Iterator[None]:
     """CUDA allocations of this thread inside the block come from the device's workspace arena.
 
     Process scope: the C core routes them. Workspace scope: the block enters the current
-    device's workspace pool (``torch.cuda.use_mem_pool``), and a request the pool cannot place
-    raises ``torch.OutOfMemoryError`` naming the budget, what the pool has in use and its largest
-    free block. Without ``install()`` the scope changes nothing: tensors come from whatever
-    allocator PyTorch has. Scopes nest.
+    device's workspace pool (``torch.cuda.use_mem_pool``); a request the pool cannot place raises
+    ``torch.OutOfMemoryError`` naming the budget and the segment asked for, and once it leaves the
+    block, also what the pool has in use and its largest free block (read from PyTorch then, not
+    inside its allocator). Without ``install()`` the scope changes nothing: tensors come from
+    whatever allocator PyTorch has. Scopes nest.
     """
     if _installed is None or _installed.scope == "process":
         lib.ia_workspace_enter()
@@ -278,6 +277,10 @@ def workspace() -> Iterator[None]:
     try:
         with torch.cuda.use_mem_pool(pool, device):
             yield
+    except torch.OutOfMemoryError as e:
+        if "the workspace pool (budget" not in str(e):
+            raise
+        raise torch.OutOfMemoryError(f"{e} {_pool_state(device)}") from None
     finally:
         lib.ia_workspace_exit()
 
@@ -295,19 +298,8 @@ def pool_snapshot(device=None) -> list[dict]:
             if any(lo <= seg["address"] < hi for lo, hi in inside)]
 
 
-_messages = threading.local()  # keeps each thread's last pool message alive for the C core
-
-
-@ffi.callback("const char *(int)", onerror=lambda *exc: None)
-def _pool_message(device: int):
-    _messages.last = ffi.new("char[]", _pool_out_of_memory(device).encode())
-    return _messages.last
-
-
-def _pool_out_of_memory(device: int) -> str:
-    """The message of a workspace request the pool cannot place, from PyTorch's own view of the
-    pool's segments. It runs inside PyTorch's allocator on the refusing thread, before the
-    allocator changes anything: its lock is recursive, so the snapshot reads a whole state."""
+def _pool_state(device: int) -> str:
+    """What the pool holds, from PyTorch's own view of its segments."""
     used = largest = 0
     for seg in pool_snapshot(device):
         for block in seg["blocks"]:
@@ -315,12 +307,9 @@ def _pool_out_of_memory(device: int) -> str:
                 largest = max(largest, block["size"])
             else:
                 used += block["size"]
-    why = ffi.string(lib.ia_plugin_failure()).decode()
-    return (f"CUDA out of memory on device {device}: a workspace request does not fit the "
-            f"workspace pool (budget {fmt_bytes(_installed.config.budget_bytes)}, "
-            f"{fmt_bytes(used)} in use, largest free block {fmt_bytes(largest)}). The workspace "
-            f"pool never grows: raise budget_mb in {config_mod.ENV_VAR} (or "
-            f"{config_mod.VLLM_BUDGET_VAR}), or plan smaller pieces. ({why})")
+    return (f"The pool had {fmt_bytes(used)} in use, largest free block {fmt_bytes(largest)}, "
+            f"and never grows: raise budget_mb in {config_mod.ENV_VAR} (or "
+            f"{config_mod.VLLM_BUDGET_VAR}), or plan smaller pieces.")
 
 
 def in_workspace() -> bool:
@@ -413,11 +402,11 @@ def reset_peak_memory_stats(device: int | None = None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _device_total(field: str, torch_name: str, device) -> int:
+def _device_total(total: str, torch_name: str, device) -> int:
     if _pytorch_counts():
         import torch
         return getattr(torch.cuda, torch_name)(_device_index(device))
-    return int(getattr(lib.ia_plugin_device_totals(_device_index(device)), field))
+    return int(getattr(lib.ia_plugin_device_totals(_device_index(device)), total))
 
 
 def memory_allocated(device: int | None = None) -> int:

@@ -258,10 +258,6 @@ typedef struct ia_plugin_config {
   const char *cgroup_root;    /* NULL: /sys/fs/cgroup */
   const char *oom_report_path;/* NULL: none; else written on every out-of-memory */
   void (*raise_oom)(const char *message); /* throws c10::OutOfMemoryError; never returns */
-  /* Workspace scope: the whole message of a refused segment request for this device, read from
-   * PyTorch's view of the pool (NULL: the core's own). Called on the refusing thread, inside
-   * PyTorch's allocator, just before raise_oom. */
-  const char *(*pool_message)(int device);
 } ia_plugin_config_t;
 
 /* Refused (IA_ERR_INVALID_ARGUMENT) once any device has its arenas. */

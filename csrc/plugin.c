@@ -441,8 +441,14 @@ IA_EXPORT void *ia_pool_alloc(ssize_t size, int device, void *stream) {
   }
   if (st != IA_OK) {
     if (plugin.config.raise_oom) {
-      const char *message = plugin.config.pool_message ? plugin.config.pool_message(device) : NULL;
-      raise_oom(message && message[0] ? message : failure);
+      /* The core's own figures only: PyTorch's view of the pool's blocks would need Python, and
+       * taking the GIL here, under PyTorch's allocator lock, can deadlock against a thread that
+       * holds the GIL and waits for that lock (freeing a tensor does). workspace() adds it. */
+      char budget[32], message[sizeof failure + 256];
+      snprintf(message, sizeof message, "CUDA out of memory on device %d: a workspace request does not fit "
+               "the workspace pool (budget %s): %s", device,
+               _ia_format_bytes(plugin.config.budget, budget, sizeof budget), failure);
+      raise_oom(message);
     }
     return NULL;
   }
