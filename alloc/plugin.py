@@ -273,12 +273,13 @@ def workspace() -> Iterator[None]:
     import torch
     device = torch.cuda.current_device()
     pool = workspace_pool(device)
+    refusals = lib.ia_plugin_pool_refusals()
     lib.ia_workspace_enter()
     try:
         with torch.cuda.use_mem_pool(pool, device):
             yield
     except torch.OutOfMemoryError as e:
-        if "the workspace pool (budget" not in str(e):
+        if lib.ia_plugin_pool_refusals() == refusals:  # not the pool's: PyTorch's own error
             raise
         raise torch.OutOfMemoryError(f"{e} {_pool_state(device)}") from None
     finally:

@@ -283,6 +283,8 @@ bool ia_plugin_write_report(const char *path);
  * a segment (2 MiB steps, 20 MiB at least). The arena holds it and one small-block segment
  * (2 MiB) for requests of 1 MiB or less, in one reservation. */
 size_t ia_plugin_pool_segment(void);
+/* Segment requests of the calling thread that the workspace pool refused. */
+uint64_t ia_plugin_pool_refusals(void);
 
 /* The workspace scope of the calling thread: allocations inside go to the workspace arena. */
 void ia_workspace_enter(void);

@@ -58,6 +58,7 @@ static struct {
 } plugin = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static __thread int workspace_depth;
+static __thread uint64_t pool_refusals;
 
 static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "large"};
 
@@ -239,6 +240,7 @@ void ia_plugin_reset_peaks(int device) {
 
 uint64_t ia_plugin_ooms(void) { return atomic_load(&plugin.ooms); }
 uint64_t ia_plugin_retries(void) { return atomic_load(&plugin.retries); }
+uint64_t ia_plugin_pool_refusals(void) { return pool_refusals; }
 
 void ia_workspace_enter(void) { workspace_depth++; }
 bool ia_workspace_exit(void) {
@@ -440,6 +442,7 @@ IA_EXPORT void *ia_pool_alloc(ssize_t size, int device, void *stream) {
     if (st != IA_OK) describe_pool_refusal(slot, device, (size_t)size, stream);
   }
   if (st != IA_OK) {
+    pool_refusals++;
     if (plugin.config.raise_oom) {
       /* The core's own figures only: PyTorch's view of the pool's blocks would need Python, and
        * taking the GIL here, under PyTorch's allocator lock, can deadlock against a thread that

@@ -270,3 +270,24 @@ print(json.dumps({{"theirs": theirs.sum().item(), "ours": ours.sum().item(),
                        "theirs_in_arena": False}
     else:  # PyTorch makes no MemPool under a process-wide pluggable allocator: README says so
         assert "createOrIncrefPool" in out["refused"] or "pluggable" in out["refused"], out
+
+
+def test_compile_reduce_overhead_runs_beside_the_pool_with_outputs_equal_to_eager():
+    out = run("""
+alloc.install(alloc.Config(budget_mb=64), scope="workspace")
+def f(x, w):
+    return torch.relu(x @ w) * 2 + 1
+g = torch.Generator(device="cuda").manual_seed(3)
+x = torch.randn(256, 256, device="cuda", generator=g)
+w = torch.randn(256, 256, device="cuda", generator=g)
+with alloc.workspace():
+    ws = torch.ones(1 << 20, device="cuda")
+compiled = torch.compile(f, mode="reduce-overhead")  # CUDA-graph trees: PyTorch's own pools
+errors = []
+for _ in range(4):
+    x.copy_(torch.randn(256, 256, device="cuda", generator=g))
+    want = f(x, w)
+    errors.append(((compiled(x, w) - want).norm() / want.norm()).item())
+print(json.dumps({"errors": errors, "ws": ws.sum().item()}))
+""")
+    assert max(out["errors"]) < 1e-3 and out["ws"] == 1 << 20, out
