@@ -5,7 +5,7 @@
   fit          pre-launch check: does a chunked-prefill configuration fit? (exit 1 if not)
   report       memory report of a saved snapshot, trace or out-of-memory report
   replay       replay an allocation trace under several allocators
-  build-shim   compile the out-of-memory shim for the installed torch ahead of time
+  build-shim   compile the C++ shims for the installed torch ahead of time
 """
 
 from __future__ import annotations
@@ -42,8 +42,12 @@ def _devices(argv: list[str]) -> int:
 
 
 def _build_shim(argv: list[str]) -> int:
-    from .oom_shim import build
-    print(build())
+    """Builds the out-of-memory shim, and the process-scope allocator where torch has CUDA."""
+    import torch
+    from .shims import build
+    print(build("oom"))
+    if torch.version.cuda:
+        print(build("allocator"))
     return 0
 
 

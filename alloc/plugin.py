@@ -1,9 +1,9 @@
 """The arena inside PyTorch, in one of two scopes.
 
-``install()`` (scope ``"process"``) hands PyTorch the C core's entry points through
-``CUDAPluggableAllocator`` and ``change_current_allocator``; from then on every CUDA tensor of the
-process comes from this package's arenas, and ``memory_stats()`` stands in for
-``torch.cuda.memory_stats()``, which raises under any pluggable allocator.
+``install()`` (scope ``"process"``) makes the C core PyTorch's CUDA allocator, through a subclass
+of PyTorch's ``CUDAPluggableAllocator`` compiled against the installed torch
+(csrc/torch_allocator.cpp); from then on every CUDA tensor of the process, CUDA graph pools
+included, comes from this package's arenas.
 
 ``install(scope="workspace")`` leaves PyTorch's own allocator in charge of every other tensor and
 puts the workspace arena behind one ``torch.cuda.MemPool`` per device (``workspace_pool()``). The
@@ -36,7 +36,7 @@ _SCOPE_CODES = {"process": lib.IA_SCOPE_PROCESS, "workspace": lib.IA_SCOPE_WORKS
 class _Installed:
     config: config_mod.Config
     scope: str
-    allocator: object  # torch.cuda.memory.CUDAPluggableAllocator; keeps the hooks alive
+    allocator: object  # workspace scope: the MemPools' CUDAPluggableAllocator
     keepalive: tuple
     pools: dict = field(default_factory=dict)  # workspace scope: device index -> MemPool
 
@@ -139,8 +139,8 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     c.cudart_path, c.meminfo_path, c.oom_report_path = strings
     c.unified = {"auto": -1, "off": 0, "on": 1}[config.unified]
     c.host_headroom = config.host_headroom_bytes
-    from . import oom_shim
-    c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())
+    from . import shims
+    c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())
     if lib.ia_plugin_configure(c) != lib.IA_OK:
         raise InstallError("the C core refused the configuration: a device already has arenas")
     if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
@@ -149,14 +149,8 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(
             core_library_path(), "ia_pool_alloc", "ia_pool_free")
         return _Installed(config, scope, allocator, (strings, c))
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(
-        core_library_path(), "ia_torch_alloc", "ia_torch_free")
-    hooks = allocator.allocator()
-    hooks.set_reset_fn(_address("ia_torch_empty_cache"))
-    hooks.set_record_stream_fn(_address("ia_torch_record_stream"))
-    hooks.set_memory_fraction_fn(_address("ia_torch_memory_fraction"))
-    torch.cuda.memory.change_current_allocator(allocator)
-    return _Installed(config, scope, allocator, (strings, c))
+    shims.install_allocator(int(ffi.cast("uintptr_t", lib.ia_torch_entry_points())))
+    return _Installed(config, scope, None, (strings, c))
 
 
 def _check_pool_settings() -> None:
@@ -175,10 +169,6 @@ def _check_pool_settings() -> None:
             f"PyTorch's CUDA allocator backend is {backend!r}; the workspace scope needs the "
             "native caching allocator, whose MemPools it uses (drop backend:cudaMallocAsync from "
             "PYTORCH_CUDA_ALLOC_CONF, or use the process scope)")
-
-
-def _address(function: str) -> int:
-    return int(ffi.cast("uintptr_t", ffi.addressof(lib, function)))
 
 
 def reserve(device: int) -> None:
@@ -351,13 +341,13 @@ def memory_stats(device: int | None = None) -> dict:
         out.update({f"arena.workspace.{k}": v for k, v in pools["workspace"].items()})
         return out
     totals = lib.ia_plugin_device_totals(device)
-
-    def total(key: str) -> int:
-        return sum(p[key] for p in pools.values())
+    everything = ffi.new("ia_stats_t *")
+    lib.ia_plugin_device_stats(device, everything)  # every arena, graph pools included
+    everything = stats_dict(everything)
 
     out: dict[str, float] = {}
-    for metric, names in (("all", POOLS), ("small_pool", ("small",)), ("large_pool", ("large",))):
-        chosen = [pools[p] for p in names]
+    for metric, names in (("all", None), ("small_pool", ("small",)), ("large_pool", ("large",))):
+        chosen = [everything] if names is None else [pools[p] for p in names]
 
         def summed(key: str) -> int:
             return sum(p[key] for p in chosen)
@@ -385,14 +375,36 @@ def memory_stats(device: int | None = None) -> dict:
         out[f"segment.{metric}.freed"] = summed("backend_releases")
         out[f"inactive_split.{metric}.current"] = summed("free_blocks")
         out[f"inactive_split_bytes.{metric}.current"] = summed("free_bytes")
-    out["num_alloc_retries"] = total("retries") + int(lib.ia_plugin_retries())
+    out["num_alloc_retries"] = everything["retries"] + int(lib.ia_plugin_retries())
     out["num_ooms"] = int(lib.ia_plugin_ooms())
-    out["num_device_alloc"] = total("backend_reserves")
-    out["num_device_free"] = total("backend_releases")
+    out["num_device_alloc"] = everything["backend_reserves"]
+    out["num_device_free"] = everything["backend_releases"]
     for pool, stats in pools.items():
         for key, value in stats.items():
             out[f"arena.{pool}.{key}"] = value
+    held = graph_pools(device)
+    for key in ("capacity", "in_use", "workspace"):
+        out[f"arena.graphs.{key}"] = sum(p[key] for p in held)
+        for p in held:
+            out[f"arena.graphs.{p['id'][0]}_{p['id'][1]}.{key}"] = p[key]
     return out
+
+
+def graph_pools(device: int | None = None) -> list[dict]:
+    """The device's CUDA graph pools (process scope): PyTorch's pool id, how many graphs or
+    MemPools hold it, and the bytes it holds (``workspace``: of them, the bytes carved from the
+    workspace arena, which eager workspaces cannot use while the pool lives)."""
+    device = _device_index(device)
+    cap = 16
+    while True:
+        infos = ffi.new("ia_graph_pool_info_t[]", cap)
+        n = lib.ia_graph_pools(device, infos, cap)
+        if n <= cap:
+            break
+        cap = n + 16
+    return [{"id": (int(i.first), int(i.second)), "use_count": int(i.use_count),
+             "capturing": int(i.allocating) > 0, "streams": int(i.streams), "capacity": int(i.capacity),
+             "in_use": int(i.in_use), "workspace": int(i.workspace)} for i in infos[0:n]]
 
 
 def reset_peak_memory_stats(device: int | None = None) -> None:

@@ -108,6 +108,8 @@ struct ia_arena {
   uint64_t free_seq;
 
   ia_totals_t *totals;
+  _ia_region_hook_t on_region;
+  void *on_region_ctx;
   ia_trace_t *trace;
   int32_t trace_device;
   uint8_t trace_pool;
@@ -366,6 +368,7 @@ static ia_status_t region_add(ia_arena_t *a, size_t size) {
   a->stats.capacity += size;
   totals_add(a, 0, (int64_t)size);
   a->stats.regions++;
+  if (a->on_region) a->on_region(a->on_region_ctx, a, r->base, size, true);
   trace(a, IA_TRACE_RESERVE, r->base, size, IA_STREAM_NONE);
   if (a->stats.capacity > a->stats.capacity_peak) a->stats.capacity_peak = a->stats.capacity;
   return IA_OK;
@@ -375,6 +378,7 @@ static void region_drop(ia_arena_t *a, region_t *r) {
   region_t **link = &a->regions;
   while (*link != r) link = &(*link)->next;
   *link = r->next;
+  if (a->on_region) a->on_region(a->on_region_ctx, a, r->base, r->size, false);
   trace(a, IA_TRACE_RELEASE, r->base, r->size, IA_STREAM_NONE);
   a->backend->release(a->backend, r->raw, r->raw_size);
   a->stats.backend_releases++;
@@ -384,8 +388,13 @@ static void region_drop(ia_arena_t *a, region_t *r) {
   free(r);
 }
 
+/* While a stream of the device captures a CUDA graph, nothing goes back to the backend: a free
+ * synchronizes the device, which a capture forbids. */
+static bool capturing(const ia_arena_t *a) { return a->totals && atomic_load(&a->totals->captures) > 0; }
+
 static uint64_t release_free_regions(ia_arena_t *a) {
   uint64_t released = 0;
+  if (capturing(a)) return 0;
   region_t *next;
   for (region_t *r = a->regions; r; r = next) {
     next = r->next;
@@ -535,15 +544,48 @@ void ia_arena_destroy(ia_arena_t *a) {
   free(a);
 }
 
+/* A free block, out of its bin, becomes live with its first rsize bytes; the rest stays free when a
+ * header for it can be had (without one the block is simply handed out whole). */
+static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_stream_t stream) {
+  if (b->size - rsize >= a->opts.alignment) {
+    block_t *tail = block_new(a);
+    if (tail) {
+      tail->addr = b->addr + rsize;
+      tail->size = b->size - rsize;
+      tail->region = b->region;
+      tail->stream = b->stream;
+      tail->free_seq = b->free_seq;
+      tail->is_free = true;
+      tail->phys_prev = b;
+      tail->phys_next = b->phys_next;
+      if (b->phys_next) b->phys_next->phys_prev = tail;
+      b->phys_next = tail;
+      b->size = rsize;
+      bin_insert(a, tail);
+    }
+  }
+  b->is_free = false;
+  b->stream = stream;
+  b->requested = size;
+  ia_stats_t *s = &a->stats;
+  s->in_use += b->size;
+  totals_add(a, (int64_t)b->size, 0);
+  if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
+  s->requested += size;
+  s->blocks_in_use++;
+  s->requests_served++;
+  s->allocated_total += b->size;
+  trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
+}
+
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
   if (size == 0) return IA_OK;
-  size_t align = a->opts.alignment;
   pthread_mutex_lock(&a->lock);
   ia_status_t st = IA_ERR_OUT_OF_MEMORY;
   block_t *b = NULL;
   if (size <= MAX_REQUEST) {
-    size_t rsize = _ia_align_up(size, align);
+    size_t rsize = _ia_align_up(size, a->opts.alignment);
     b = find_free(a, rsize);
     if (!b && a->opts.growable) {
       st = grow(a, rsize);
@@ -556,36 +598,8 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
     }
     if (b) {
       bin_remove(a, b);
-      if (b->size - rsize >= align) {
-        block_t *tail = block_new(a);
-        if (tail) { /* without a header the block is simply handed out whole */
-          tail->addr = b->addr + rsize;
-          tail->size = b->size - rsize;
-          tail->region = b->region;
-          tail->stream = b->stream;
-          tail->free_seq = b->free_seq;
-          tail->is_free = true;
-          tail->phys_prev = b;
-          tail->phys_next = b->phys_next;
-          if (b->phys_next) b->phys_next->phys_prev = tail;
-          b->phys_next = tail;
-          b->size = rsize;
-          bin_insert(a, tail);
-        }
-      }
-      b->is_free = false;
-      b->stream = stream;
-      b->requested = size;
-      ia_stats_t *s = &a->stats;
-      s->in_use += b->size;
-      totals_add(a, (int64_t)b->size, 0);
-      if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
-      s->requested += size;
-      s->blocks_in_use++;
-      s->requests_served++;
-      s->allocated_total += b->size;
+      hand_out(a, b, rsize, size, stream);
       *out = (void *)b->addr;
-      trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
     }
   }
   if (!b) {
@@ -595,6 +609,38 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
   DEBUG_CHECK(a);
   pthread_mutex_unlock(&a->lock);
   return b ? IA_OK : st;
+}
+
+ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t stream) {
+  uintptr_t addr = (uintptr_t)at;
+  if (size == 0 || size > MAX_REQUEST || addr % a->opts.alignment) return IA_ERR_INVALID_ARGUMENT;
+  size_t rsize = _ia_align_up(size, a->opts.alignment);
+  pthread_mutex_lock(&a->lock);
+  region_t *r = region_of(a, addr);
+  block_t *b = r ? r->first : NULL;
+  while (b && b->addr + b->size <= addr) b = b->phys_next;
+  ia_status_t st = IA_ERR_OUT_OF_MEMORY;
+  if (b && b->is_free && addr + rsize <= b->addr + b->size) st = order_after(a, stream, b->stream, b->free_seq);
+  block_t *rest = NULL;
+  if (st == IA_OK && b->addr < addr && !(rest = block_new(a))) st = IA_ERR_NO_HOST_MEMORY;
+  if (rest) rest->addr = addr; /* the table files a block by its address alone */
+  if (st == IA_OK && !table_insert(a, rest ? rest : b)) st = IA_ERR_NO_HOST_MEMORY;
+  if (st == IA_OK) bin_remove(a, b);
+  if (st == IA_OK && rest) { /* the part before `at` stays a free block of its own */
+    *rest = (block_t){.addr = addr, .size = b->addr + b->size - addr, .region = b->region, .stream = b->stream,
+                      .free_seq = b->free_seq, .is_free = true, .phys_prev = b, .phys_next = b->phys_next};
+    if (b->phys_next) b->phys_next->phys_prev = rest;
+    b->phys_next = rest;
+    b->size = addr - b->addr;
+    bin_insert(a, b);
+    b = rest;
+  } else if (rest) {
+    block_delete(a, rest);
+  }
+  if (st == IA_OK) hand_out(a, b, rsize, size, stream);
+  DEBUG_CHECK(a);
+  pthread_mutex_unlock(&a->lock);
+  return st;
 }
 
 static void merge_into(ia_arena_t *a, block_t *left, block_t *right) {
@@ -615,6 +661,7 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
     pthread_mutex_unlock(&a->lock);
     return st;
   }
+  if (stream == IA_STREAM_NONE) stream = b->stream;
   /* Ordering failures below cannot be handed back to the caller without leaking the block; the
    * streams involved are broken anyway, so they stop the process instead. */
   for (uint32_t i = 0; i < b->n_uses; i++)
@@ -677,6 +724,45 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
   }
   pthread_mutex_unlock(&a->lock);
   return st;
+}
+
+void _ia_arena_flush_events(ia_arena_t *a) {
+  pthread_mutex_lock(&a->lock);
+  for (region_t *r = a->regions; r; r = r->next)
+    for (block_t *b = r->first; b; b = b->phys_next) {
+      if (!b->is_free || b->stream == IA_STREAM_NONE) continue;
+      ia_status_t st = IA_OK;
+      stream_state_t *ss = stream_state(a, b->stream, &st);
+      if (ss && ss->recorded_seq < b->free_seq &&
+          a->backend->event_record(a->backend, ss->event, b->stream) == IA_OK) {
+        ss->recorded_seq = a->free_seq;
+        a->stats.event_records++;
+      }
+    }
+  pthread_mutex_unlock(&a->lock);
+}
+
+bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
+  return a->backend->stream_capturing && a->backend->stream_capturing(a->backend, stream);
+}
+
+bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
+  pthread_mutex_lock(&a->lock);
+  block_t *b = table_find(a, (uintptr_t)ptr, NULL);
+  if (b) {
+    *stream = b->stream;
+    *other_streams = b->n_uses;
+  }
+  pthread_mutex_unlock(&a->lock);
+  return b != NULL;
+}
+
+void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx) {
+  pthread_mutex_lock(&a->lock);
+  a->on_region = hook;
+  a->on_region_ctx = ctx;
+  for (region_t *r = a->regions; r && hook; r = r->next) hook(ctx, a, r->base, r->size, true);
+  pthread_mutex_unlock(&a->lock);
 }
 
 uint64_t ia_arena_release_cached(ia_arena_t *a) {

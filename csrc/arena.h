@@ -54,6 +54,13 @@ ia_status_t ia_host_backend_create(size_t limit_bytes, ia_backend_t **out);
 void ia_host_set_auto_complete(ia_backend_t *backend, bool on);
 void ia_host_complete(ia_backend_t *backend, ia_stream_t stream);
 uint64_t ia_host_waits(const ia_backend_t *backend, ia_stream_t waiter, ia_stream_t waited_on);
+/* CUDA graph capture, simulated for every host backend at once: the stream captures under the id
+ * (non-zero) until ia_host_capture_end. Breaks of CUDA's capture rules are counted, not enforced
+ * (see backend_host.c); a capturing stream's wait on an outside event counts as a host wait. */
+bool ia_host_capture_begin(ia_stream_t stream, uint64_t capture);
+void ia_host_capture_end(ia_stream_t stream);
+uint64_t ia_host_capture_violations(void);
+uint64_t ia_host_capture_host_waits(void);
 
 /* The CUDA runtime, loaded with dlopen at run time so that the core builds without CUDA.
  * cudart_path names the library to load (NULL: a libcudart already loaded in the process); the
@@ -182,6 +189,10 @@ void ia_arena_destroy(ia_arena_t *arena);
 
 /* size 0 yields NULL and IA_OK. Never returns memory outside the arena's regions. */
 ia_status_t ia_arena_alloc(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);
+/* Makes [at, at + size) a live block when that range lies in one free block (checkpoints of CUDA
+ * graph pools are restored this way); IA_ERR_OUT_OF_MEMORY when it does not. */
+ia_status_t ia_arena_alloc_at(ia_arena_t *arena, void *at, size_t size, ia_stream_t stream);
+/* stream all bits set (IA_STREAM_NONE): the stream the block was allocated on. */
 ia_status_t ia_arena_free(ia_arena_t *arena, void *ptr, ia_stream_t stream);
 /* The block at ptr is also used on `stream`: its free will order that stream's work before reuse. */
 ia_status_t ia_arena_record_stream(ia_arena_t *arena, void *ptr, ia_stream_t stream);
@@ -258,6 +269,7 @@ typedef struct ia_plugin_config {
   const char *cgroup_root;    /* NULL: /sys/fs/cgroup */
   const char *oom_report_path;/* NULL: none; else written on every out-of-memory */
   void (*raise_oom)(const char *message); /* throws c10::OutOfMemoryError; never returns */
+  int host_memory;            /* tests: arenas reserve host memory (the host backend), no CUDA */
 } ia_plugin_config_t;
 
 /* Refused (IA_ERR_INVALID_ARGUMENT) once any device has its arenas. */
@@ -272,6 +284,9 @@ typedef struct ia_device_totals {
   uint64_t in_use, in_use_peak, capacity, capacity_peak;
 } ia_device_totals_t;
 ia_device_totals_t ia_plugin_device_totals(int device);
+/* Counters summed over every arena of the device, graph pools included (not the peaks, which
+ * ia_plugin_device_totals keeps; workspace carve-outs are counted once, in the workspace arena). */
+void ia_plugin_device_stats(int device, ia_stats_t *out);
 void ia_plugin_reset_peaks(int device);
 uint64_t ia_plugin_ooms(void);
 uint64_t ia_plugin_retries(void);
@@ -291,13 +306,76 @@ void ia_workspace_enter(void);
 bool ia_workspace_exit(void); /* false when the thread is in no scope */
 int ia_workspace_depth(void);
 
-/* What PyTorch calls. The first two are looked up by name (exported); the others are handed to
- * the allocator object as function pointers. Streams are cudaStream_t. */
-void *ia_torch_alloc(ssize_t size, int device, void *stream);
-void ia_torch_free(void *ptr, ssize_t size, int device, void *stream);
+/* ---- CUDA graph pools ----------------------------------------------------------------------
+ * PyTorch's MempoolId_t. Between ia_graph_begin and ia_graph_end the allocations PyTorch routes
+ * to the pool (ia_torch_alloc with graph_pool set) come from the pool's own arenas; a pool lives
+ * while its use count is above zero (begin and incref count up, release down) and then gives its
+ * memory back as its blocks come free. While any begin of the device is not yet ended, nothing
+ * of the device goes back to the driver, and frees that would need an event on a capturing
+ * stream wait for the end (graphs.c). Each call returns IA_ERR_INVALID_ARGUMENT for an unknown
+ * pool, an end without a begin or a release below zero. */
+typedef struct ia_pool_id {
+  uint64_t first, second;
+} ia_pool_id_t;
+
+typedef struct ia_graph_pool_info {
+  uint64_t first, second;
+  int32_t use_count;
+  int32_t allocating;  /* begun and not ended */
+  uint32_t streams;    /* streams that allocated in it */
+  uint64_t capacity;   /* bytes its arenas hold, workspace carve-outs included */
+  uint64_t in_use;
+  uint64_t workspace;  /* bytes of the device's workspace arena it holds */
+} ia_graph_pool_info_t;
+
+ia_status_t ia_graph_begin(int device, ia_pool_id_t id);
+ia_status_t ia_graph_end(int device, ia_pool_id_t id);
+ia_status_t ia_graph_incref(int device, ia_pool_id_t id);
+ia_status_t ia_graph_release(int device, ia_pool_id_t id);
+int ia_graph_use_count(int device, ia_pool_id_t id); /* 0 for an unknown pool */
+int ia_graph_captures(int device);                   /* begun, not ended, over all pools */
+/* Every block of the pool's arenas, live and free (how many exist is returned; none is copied
+ * when they do not all fit). */
+size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap);
+/* Frees every live block of the pool and makes the live blocks of `blocks` (an earlier
+ * ia_graph_blocks) live again at their addresses: CUDA graph trees' checkpoints. */
+ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n);
+size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap);
+/* ia_arena_check over every arena of the pool. */
+bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len);
+
+/* What the process-scope allocator (csrc/torch_allocator.cpp, built against the installed torch)
+ * calls. A failed allocation never returns: it raises through raise_oom. Streams are
+ * cudaStream_t. graph_pool NULL: an eager allocation. A free finds its arena by address. */
+void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool);
+void ia_torch_free(void *ptr);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
 void ia_torch_memory_fraction(double fraction, int device);
+/* All of the above that the process-scope allocator calls, in one table: it is a separate library
+ * built against the installed torch, and the core exports nothing it does not have to. */
+typedef struct ia_torch_entry_points {
+  void *(*alloc)(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool);
+  void (*free)(void *ptr);
+  void (*record_stream)(void *ptr, void *stream);
+  void (*empty_cache)(void);
+  void (*memory_fraction)(double fraction, int device);
+  ia_status_t (*graph_begin)(int device, ia_pool_id_t id);
+  ia_status_t (*graph_end)(int device, ia_pool_id_t id);
+  ia_status_t (*graph_incref)(int device, ia_pool_id_t id);
+  ia_status_t (*graph_release)(int device, ia_pool_id_t id);
+  int (*graph_use_count)(int device, ia_pool_id_t id);
+  size_t (*graph_blocks)(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap);
+  ia_status_t (*graph_restore)(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n);
+  ia_device_totals_t (*device_totals)(int device);
+  void (*device_stats)(int device, ia_stats_t *out); /* summed over the device's arenas */
+  void (*reset_peaks)(int device);
+  uint64_t (*ooms)(void);
+  uint64_t (*retries)(void);
+  const char *(*status_str)(ia_status_t status);
+} ia_torch_entry_points_t;
+const ia_torch_entry_points_t *ia_torch_entry_points(void);
+
 /* What a torch.cuda.MemPool calls in workspace scope (exported): PyTorch's caching layer asks for
  * segments, which come from the device's workspace arena. A refusal raises through raise_oom
  * (PyTorch's retry could not help: it never releases a live pool's segments), or returns NULL

@@ -16,6 +16,8 @@ enum {
   CUDA_ERROR_MEMORY_ALLOCATION = 2,
   CUDA_ERROR_NOT_READY = 600,
   CUDA_EVENT_DISABLE_TIMING = 2,
+  CUDA_CAPTURE_STATUS_NONE = 0,
+  CUDA_CAPTURE_MODE_RELAXED = 2,
 };
 
 #define CUDART_FUNCTIONS(X)                                                                         \
@@ -33,6 +35,9 @@ enum {
   X(cudaMemset, int, (void *, int, size_t))                                                        \
   X(cudaDeviceSynchronize, int, (void))                                                             \
   X(cudaGetLastError, int, (void))                                                                \
+  X(cudaEventSynchronize, int, (void *))                                                          \
+  X(cudaStreamIsCapturing, int, (void *, int *))                                                  \
+  X(cudaThreadExchangeStreamCaptureMode, int, (int *))                                            \
   X(cudaGetErrorString, const char *, (int))
 
 static struct {
@@ -107,6 +112,19 @@ static void guard_exit(device_guard_t *g) {
   if (g->switched) rt.cudaSetDevice(g->previous);
 }
 
+/* While any stream captures a CUDA graph in the default (global) mode, the runtime refuses calls
+ * that may synchronize (cudaMalloc, cudaFree, event queries and synchronizes) from every thread,
+ * and a refused call invalidates the capture. Like PyTorch's caching allocator, the calls below
+ * run with this thread's capture mode exchanged to relaxed, which lets them through; none of them
+ * is captured. */
+static int relaxed_enter(void) {
+  int mode = CUDA_CAPTURE_MODE_RELAXED;
+  rt.cudaThreadExchangeStreamCaptureMode(&mode);
+  return mode;
+}
+
+static void relaxed_exit(int mode) { rt.cudaThreadExchangeStreamCaptureMode(&mode); }
+
 typedef struct {
   ia_backend_t base;
   int device;
@@ -117,7 +135,11 @@ static int device_of(ia_backend_t *b) { return ((cuda_backend_t *)b)->device; }
 static ia_status_t cuda_reserve(ia_backend_t *self, size_t size, void **out) {
   device_guard_t g;
   int err = guard_enter(&g, device_of(self));
-  if (err == CUDA_SUCCESS) err = rt.cudaMalloc(out, size);
+  if (err == CUDA_SUCCESS) {
+    int mode = relaxed_enter();
+    err = rt.cudaMalloc(out, size);
+    relaxed_exit(mode);
+  }
   guard_exit(&g);
   return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaMalloc");
 }
@@ -126,7 +148,11 @@ static void cuda_release(ia_backend_t *self, void *base, size_t size) {
   (void)size;
   device_guard_t g;
   int err = guard_enter(&g, device_of(self));
-  if (err == CUDA_SUCCESS) err = rt.cudaFree(base);
+  if (err == CUDA_SUCCESS) {
+    int mode = relaxed_enter();
+    err = rt.cudaFree(base);
+    relaxed_exit(mode);
+  }
   guard_exit(&g);
   if (err != CUDA_SUCCESS) fail(err, "cudaFree");
 }
@@ -163,13 +189,28 @@ static ia_status_t cuda_event_record(ia_backend_t *self, void *event, ia_stream_
 
 static bool cuda_event_done(ia_backend_t *self, void *event) {
   (void)self;
+  int mode = relaxed_enter();
   int err = rt.cudaEventQuery(event);
+  relaxed_exit(mode);
   if (err == CUDA_ERROR_NOT_READY) rt.cudaGetLastError();
   return err == CUDA_SUCCESS;
 }
 
-static ia_status_t cuda_stream_wait(ia_backend_t *self, ia_stream_t stream, void *event) {
+static bool cuda_stream_capturing(ia_backend_t *self, ia_stream_t stream) {
   (void)self;
+  int status = CUDA_CAPTURE_STATUS_NONE;
+  return rt.cudaStreamIsCapturing((void *)stream, &status) == CUDA_SUCCESS && status != CUDA_CAPTURE_STATUS_NONE;
+}
+
+/* A capturing stream may not wait on an event recorded outside its capture, so the host waits for
+ * it instead: the captured work runs at replay, after that wait. */
+static ia_status_t cuda_stream_wait(ia_backend_t *self, ia_stream_t stream, void *event) {
+  if (cuda_stream_capturing(self, stream)) {
+    int mode = relaxed_enter();
+    int err = rt.cudaEventSynchronize(event);
+    relaxed_exit(mode);
+    return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaEventSynchronize (a stream waiting while it captures)");
+  }
   int err = rt.cudaStreamWaitEvent((void *)stream, event, 0);
   return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaStreamWaitEvent");
 }
@@ -193,6 +234,7 @@ ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backe
       .stream_wait = cuda_stream_wait,
       .destroy = cuda_destroy,
       .commit = cuda_commit,
+      .stream_capturing = cuda_stream_capturing,
   };
   c->device = device;
   *out = &c->base;

@@ -3,7 +3,14 @@
  * A stream here is a queue of recorded events. Recording returns at once; the event completes when
  * the test calls ia_host_complete(stream), or immediately under auto-complete. A wait only counts
  * that it happened: on the host there is no queued work for it to hold back. Tests use the counts
- * to see that the arena ordered a cross-stream reuse. */
+ * to see that the arena ordered a cross-stream reuse.
+ *
+ * CUDA graph capture is simulated with CUDA's rules, and every break of them is counted instead of
+ * invalidating anything: a stream put in capture (ia_host_capture_begin, shared by all host
+ * backends) records captured events; querying a captured event, a wait between a captured event
+ * and a stream outside that capture, and giving a reservation back while any stream captures are
+ * violations. A capturing stream's wait on an outside event is made on the host, as the CUDA
+ * backend does, and counted as a host wait. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -24,7 +31,57 @@ typedef struct {
 typedef struct {
   ia_stream_t stream;
   uint64_t seq;
+  uint64_t capture; /* the capture it was recorded in; 0: none */
 } host_event_t;
+
+#define MAX_CAPTURING 64
+static struct {
+  pthread_mutex_t lock;
+  ia_stream_t streams[MAX_CAPTURING];
+  uint64_t ids[MAX_CAPTURING];
+  size_t count;
+  _Atomic uint64_t violations, host_waits;
+} captures = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static uint64_t capture_of(ia_stream_t stream) {
+  uint64_t id = 0;
+  pthread_mutex_lock(&captures.lock);
+  for (size_t i = 0; i < captures.count; i++)
+    if (captures.streams[i] == stream) id = captures.ids[i];
+  pthread_mutex_unlock(&captures.lock);
+  return id;
+}
+
+bool ia_host_capture_begin(ia_stream_t stream, uint64_t capture) {
+  pthread_mutex_lock(&captures.lock);
+  bool ok = capture && captures.count < MAX_CAPTURING;
+  for (size_t i = 0; ok && i < captures.count; i++) ok = captures.streams[i] != stream;
+  if (ok) {
+    captures.streams[captures.count] = stream;
+    captures.ids[captures.count++] = capture;
+  }
+  pthread_mutex_unlock(&captures.lock);
+  return ok;
+}
+
+void ia_host_capture_end(ia_stream_t stream) {
+  pthread_mutex_lock(&captures.lock);
+  for (size_t i = 0; i < captures.count; i++)
+    if (captures.streams[i] == stream) {
+      captures.streams[i] = captures.streams[--captures.count];
+      captures.ids[i] = captures.ids[captures.count];
+      break;
+    }
+  pthread_mutex_unlock(&captures.lock);
+}
+
+uint64_t ia_host_capture_violations(void) { return atomic_load(&captures.violations); }
+uint64_t ia_host_capture_host_waits(void) { return atomic_load(&captures.host_waits); }
+
+static bool host_stream_capturing(ia_backend_t *self, ia_stream_t stream) {
+  (void)self;
+  return capture_of(stream) != 0;
+}
 
 typedef struct {
   ia_backend_t base;
@@ -71,6 +128,9 @@ static ia_status_t host_reserve(ia_backend_t *self, size_t size, void **out) {
 
 static void host_release(ia_backend_t *self, void *base, size_t size) {
   host_backend_t *h = host(self);
+  pthread_mutex_lock(&captures.lock);
+  if (captures.count) atomic_fetch_add(&captures.violations, 1);
+  pthread_mutex_unlock(&captures.lock);
   munmap(base, size);
   pthread_mutex_lock(&h->lock);
   h->reserved -= size;
@@ -100,6 +160,7 @@ static ia_status_t host_event_record(ia_backend_t *self, void *event, ia_stream_
   host_event_t *e = event;
   pthread_mutex_lock(&h->lock);
   stream_clock_t *c = clock_of(h, stream);
+  e->capture = capture_of(stream);
   if (c) {
     e->stream = stream;
     e->seq = ++c->recorded;
@@ -112,6 +173,7 @@ static ia_status_t host_event_record(ia_backend_t *self, void *event, ia_stream_
 static bool host_event_done(ia_backend_t *self, void *event) {
   host_backend_t *h = host(self);
   host_event_t *e = event;
+  if (e->capture) atomic_fetch_add(&captures.violations, 1);
   pthread_mutex_lock(&h->lock);
   stream_clock_t *c = clock_of(h, e->stream);
   bool done = !c || c->completed >= e->seq;
@@ -122,6 +184,12 @@ static bool host_event_done(ia_backend_t *self, void *event) {
 static ia_status_t host_stream_wait(ia_backend_t *self, ia_stream_t stream, void *event) {
   host_backend_t *h = host(self);
   host_event_t *e = event;
+  uint64_t waiter_capture = capture_of(stream);
+  if (waiter_capture && !e->capture) { /* made on the host: nothing is queued behind it */
+    atomic_fetch_add(&captures.host_waits, 1);
+    return IA_OK;
+  }
+  if (waiter_capture != e->capture) atomic_fetch_add(&captures.violations, 1);
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&h->lock);
   wait_count_t *w = NULL;
@@ -161,6 +229,7 @@ ia_status_t ia_host_backend_create(size_t limit_bytes, ia_backend_t **out) {
       .stream_wait = host_stream_wait,
       .destroy = host_destroy,
       .commit = host_commit,
+      .stream_capturing = host_stream_capturing,
   };
   pthread_mutex_init(&h->lock, NULL);
   h->limit = limit_bytes;

@@ -139,6 +139,7 @@ FORWARD(event_destroy, void, (ia_backend_t * self, void *ev), (guard(self)->inne
 FORWARD(event_record, ia_status_t, (ia_backend_t * self, void *ev, ia_stream_t s), (guard(self)->inner, ev, s))
 FORWARD(event_done, bool, (ia_backend_t * self, void *ev), (guard(self)->inner, ev))
 FORWARD(stream_wait, ia_status_t, (ia_backend_t * self, ia_stream_t s, void *ev), (guard(self)->inner, s, ev))
+FORWARD(stream_capturing, bool, (ia_backend_t * self, ia_stream_t s), (guard(self)->inner, s))
 #undef FORWARD
 
 static void guard_destroy(ia_backend_t *self) {
@@ -166,6 +167,7 @@ ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_
       .event_record = guard_event_record,
       .event_done = guard_event_done,
       .stream_wait = guard_stream_wait,
+      .stream_capturing = inner->stream_capturing ? guard_stream_capturing : NULL,
       .destroy = guard_destroy,
   };
   g->inner = inner;

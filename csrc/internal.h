@@ -34,6 +34,11 @@ struct ia_backend {
   void (*destroy)(ia_backend_t *self);
   /* Optional: back every page of a reservation now (unified memory), so use never faults in more. */
   ia_status_t (*commit)(ia_backend_t *self, void *base, size_t size);
+  /* Whether `stream` is capturing a CUDA graph now. A wait whose waiter captures and whose event
+   * was recorded outside the capture is made on the host instead (a capture may not depend on
+   * outside work), so stream_wait must handle that case; events are never recorded on a
+   * capturing stream by the arena's callers. */
+  bool (*stream_capturing)(ia_backend_t *self, ia_stream_t stream);
 };
 
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
@@ -46,9 +51,59 @@ typedef struct ia_totals {
   /* Growth of any arena of the group stops where capacity would pass this (0: no limit). Checked
    * under each arena's own lock, so two arenas growing at once can pass it by one region. */
   _Atomic uint64_t limit;
+  /* Streams of the device capturing CUDA graphs now (begun and not ended allocate-to-pool scopes):
+   * while any do, no arena of the group gives memory back to the backend. */
+  _Atomic int captures;
 } ia_totals_t;
 void _ia_arena_set_totals(ia_arena_t *arena, ia_totals_t *totals);
 void _ia_totals_reset_peaks(ia_totals_t *totals);
+
+/* Called under the arena's lock whenever it gains (added) or gives back a region. */
+typedef void (*_ia_region_hook_t)(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size, bool added);
+/* Calls the hook at once for the regions already held. */
+void _ia_arena_set_region_hook(ia_arena_t *arena, _ia_region_hook_t hook, void *ctx);
+/* A live block's stream and how many other streams were recorded on it; false when not live. */
+bool _ia_arena_live_block(ia_arena_t *arena, const void *ptr, ia_stream_t *stream, uint32_t *other_streams);
+
+/* Who an arena serves: the device, and the CUDA graph pool when it is one of a pool's arenas. */
+typedef struct graph_pool graph_pool_t;
+typedef struct {
+  int device;
+  graph_pool_t *graph_pool;
+} _ia_owner_t;
+
+/* The region registry (registry.c). The hook is an _ia_region_hook_t whose ctx is the arena's
+ * owner, which must outlive the arena's regions. */
+void _ia_registry_hook(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size, bool added);
+ia_arena_t *_ia_registry_find(const void *ptr, const _ia_owner_t **owner);
+
+/* Between plugin.c and graphs.c. */
+#define IA_MAX_DEVICES 64
+enum { GRAPH_SMALL = 0, GRAPH_LARGE = 1, GRAPH_WORKSPACE = 2, GRAPH_KINDS = 3 };
+ia_totals_t *_ia_plugin_totals(int device);
+/* A new arena of a graph pool: small and large like the device's general pools; workspace carved
+ * from the device's workspace arena on `stream`. */
+ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, const _ia_owner_t *owner,
+                                   ia_arena_t **out);
+/* Records, on every stream with frees not yet behind an event, the event that orders them, in each
+ * of the device's arenas: done when a capture is about to begin, so that no event need ever be
+ * recorded on a stream while it captures. */
+void _ia_plugin_flush_events(int device);
+void _ia_arena_flush_events(ia_arena_t *arena);
+bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
+ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
+/* A free the plugin must hold back until no stream of the device captures; true when held. */
+bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
+void _ia_graph_freed(const _ia_owner_t *owner, ia_arena_t *arena);
+void _ia_graph_flush_arenas(int device);
+void _ia_graph_pools_flush_events(int device);
+void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
+/* Adds the counters of the device's graph pools, carve-outs left out. */
+void _ia_graph_add_stats(int device, ia_stats_t *sum);
+/* A backend whose reservations are blocks of `parent` taken on `stream`; events come from
+ * `events`, which it owns. */
+ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,
+                                     ia_backend_t **out);
 
 void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t device, uint8_t pool,
                       uintptr_t address, uint64_t size, ia_stream_t stream);

@@ -30,7 +30,7 @@
 
 #include "internal.h"
 
-#define MAX_DEVICES 64
+#define MAX_DEVICES IA_MAX_DEVICES
 #define SMALL_REQUEST ((size_t)1 << 20)
 #define MiB ((size_t)1 << 20)
 /* PyTorch's caching allocator: a small-block segment (kSmallBuffer) and the smallest large one
@@ -45,6 +45,7 @@ typedef struct {
   ia_arena_t *arenas[IA_POOL_COUNT];
   ia_totals_t totals;
   bool unified;
+  _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
   _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
 } device_slot_t;
 
@@ -88,7 +89,8 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
 }
 
 static ia_status_t make_backend(int device, bool unified, ia_backend_t **out) {
-  ia_status_t st = ia_cuda_backend_create(device, plugin.config.cudart_path, out);
+  ia_status_t st = plugin.config.host_memory ? ia_host_backend_create(0, out)
+                                             : ia_cuda_backend_create(device, plugin.config.cudart_path, out);
   if (st != IA_OK || !unified) return st;
   ia_guard_options_t g = {.meminfo_path = plugin.config.meminfo_path, .cgroup_root = plugin.config.cgroup_root,
                           .headroom = plugin.config.host_headroom};
@@ -119,6 +121,7 @@ static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **o
   ia_status_t st = make_backend(device, unified, &backend);
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   if (st == IA_OK) _ia_arena_set_totals(*out, totals);
+  if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, &plugin.devices[device].owner);
   if (st == IA_OK && plugin.trace) ia_arena_set_trace(*out, plugin.trace, device, (uint8_t)pool);
   return st;
 }
@@ -142,13 +145,14 @@ static ia_status_t create_device(int device) {
       snprintf(failure, sizeof failure, "the allocator was loaded but never configured: call alloc.install()");
       st = IA_ERR_INVALID_ARGUMENT;
     }
-    if (st == IA_OK) st = ia_cuda_load(plugin.config.cudart_path);
+    if (st == IA_OK && !plugin.config.host_memory) st = ia_cuda_load(plugin.config.cudart_path);
     bool unified = plugin.config.unified == 1;
-    if (st == IA_OK && plugin.config.unified < 0) {
+    if (st == IA_OK && plugin.config.unified < 0 && !plugin.config.host_memory) {
       ia_memory_attributes_t attributes;
       st = ia_cuda_memory_attributes(device, &attributes);
       unified = st == IA_OK && ia_memory_is_unified(&attributes);
     }
+    slot->owner = (_ia_owner_t){.device = device};
     for (int p = IA_POOL_SMALL; st == IA_OK && plugin.config.scope == IA_SCOPE_PROCESS && p < IA_POOL_COUNT; p++)
       st = make_arena(device, unified, p, &slot->arenas[p]);
     if (st != IA_OK) {
@@ -229,6 +233,31 @@ ia_device_totals_t ia_plugin_device_totals(int device) {
   out.capacity = atomic_load(&t->capacity);
   out.capacity_peak = atomic_load(&t->capacity_peak);
   return out;
+}
+
+void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s) {
+  uint64_t largest = sum->largest_free > s->largest_free ? sum->largest_free : s->largest_free;
+#define ADD(type, name, doc) sum->name = _Generic(sum->name, double: sum->name, default: sum->name + s->name);
+  IA_STAT_FIELDS(ADD)
+#undef ADD
+  sum->largest_free = largest;
+}
+
+void ia_plugin_device_stats(int device, ia_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  if (!device_ready(device)) return;
+  for (int p = 0; p < IA_POOL_COUNT; p++) {
+    ia_arena_t *a = ia_plugin_arena(device, p);
+    if (!a) continue;
+    ia_stats_t s;
+    ia_arena_stats(a, &s);
+    _ia_stats_add(out, &s);
+  }
+  _ia_graph_add_stats(device, out);
+  ia_device_totals_t t = ia_plugin_device_totals(device);
+  out->in_use_peak = t.in_use_peak;
+  out->capacity_peak = t.capacity_peak;
+  out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
 }
 
 void ia_plugin_reset_peaks(int device) {
@@ -337,8 +366,61 @@ __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t si
   raise_oom(message);
 }
 
-IA_EXPORT void *ia_torch_alloc(ssize_t size, int device, void *stream) {
-  if (size <= 0) return NULL;
+static uint64_t graph_pool_holds(int device, ia_pool_id_t id) {
+  ia_graph_pool_info_t info[64];
+  size_t n = ia_graph_pools(device, info, 64);
+  for (size_t i = 0; i < n && i < 64; i++)
+    if (info[i].first == id.first && info[i].second == id.second) return info[i].capacity;
+  return 0;
+}
+
+__attribute__((noinline)) static void fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size,
+                                                       ia_status_t st) {
+  char message[2048], req[32], held[32], budget[32], state[256] = "", why[640], hint[512];
+  _ia_format_bytes(size, req, sizeof req);
+  if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(why, sizeof why, " %s.", ia_guard_last_message());
+  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(why, sizeof why, " %s.", ia_cuda_last_error());
+  else if (st == IA_ERR_LIMIT) snprintf(why, sizeof why, " The pools may hold at most %.0f MiB here "
+                                        "(torch.cuda.set_per_process_memory_fraction).",
+                                        (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
+  else if (st == IA_ERR_INVALID_ARGUMENT) snprintf(why, sizeof why, " %.600s.", failure[0] ? failure :
+                                                   "PyTorch is not allocating to that pool now");
+  else why[0] = '\0';
+  report_hint(hint, sizeof hint);
+  if (kind == GRAPH_WORKSPACE) {
+    ia_arena_t *ws = ia_plugin_arena(device, IA_POOL_WORKSPACE);
+    if (ws) describe_arena(ws, state, sizeof state);
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: workspace request of %s inside a CUDA graph capture "
+             "(graph pool (%" PRIu64 ", %" PRIu64 ")) does not fit the workspace arena (budget %s; it %s). "
+             "A graph keeps the workspace blocks it allocates until it is released: raise budget_mb in "
+             "INDEXER_ARENA_CONF, or capture smaller pieces.%s",
+             device, req, id.first, id.second, _ia_format_bytes(plugin.config.budget, budget, sizeof budget),
+             state, hint);
+  } else {
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: request of %s (%zu bytes) for CUDA graph pool (%" PRIu64 ", %" PRIu64
+             "), which holds %s.%s A graph keeps what it allocates during capture until it is released: free "
+             "eager tensors (torch.cuda.empty_cache()) before capturing, or lower budget_mb in "
+             "INDEXER_ARENA_CONF.%s",
+             device, req, size, id.first, id.second,
+             _ia_format_bytes(graph_pool_holds(device, id), held, sizeof held), why, hint);
+  }
+  raise_oom(message);
+}
+
+static void *graph_alloc(device_slot_t *slot, int device, size_t size, ia_stream_t stream, ia_pool_id_t id) {
+  int kind = workspace_depth ? GRAPH_WORKSPACE : size <= SMALL_REQUEST ? GRAPH_SMALL : GRAPH_LARGE;
+  ia_status_t st = workspace_depth ? ensure_workspace(slot, device) : IA_OK;
+  ia_arena_t *arena = st == IA_OK ? _ia_graph_arena(device, id, kind, stream, &st) : NULL;
+  void *p = NULL;
+  if (arena) st = ia_arena_alloc(arena, size, stream, &p);
+  if (st != IA_OK) fail_graph_alloc(device, id, kind, size, st);
+  return p;
+}
+
+void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool) {
+  if (size == 0) return NULL;
   ia_status_t st;
   device_slot_t *slot = device_slot(device, &st);
   if (slot && plugin.config.scope != IA_SCOPE_PROCESS) {
@@ -346,49 +428,78 @@ IA_EXPORT void *ia_torch_alloc(ssize_t size, int device, void *stream) {
              "process's allocator: its MemPools call ia_pool_alloc");
     st = IA_ERR_INVALID_ARGUMENT;
   }
+  if (st == IA_OK && graph_pool) return graph_alloc(slot, device, size, (ia_stream_t)stream, *graph_pool);
   if (slot && workspace_depth) st = ensure_workspace(slot, device);
-  if (st != IA_OK) fail_alloc(device, -1, (size_t)size, st);
-  int pool = workspace_depth ? IA_POOL_WORKSPACE : (size_t)size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
+  if (st != IA_OK) fail_alloc(device, -1, size, st);
+  int pool = workspace_depth ? IA_POOL_WORKSPACE : size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
   void *p;
-  st = ia_arena_alloc(slot->arenas[pool], (size_t)size, (ia_stream_t)stream, &p);
+  st = ia_arena_alloc(slot->arenas[pool], size, (ia_stream_t)stream, &p);
   if (st != IA_OK && pool != IA_POOL_WORKSPACE) {
     /* The other general pool may be caching whole regions this request could use. */
     if (ia_arena_release_cached(slot->arenas[IA_POOL_SMALL + IA_POOL_LARGE - pool])) {
       atomic_fetch_add(&plugin.retries, 1);
-      st = ia_arena_alloc(slot->arenas[pool], (size_t)size, (ia_stream_t)stream, &p);
+      st = ia_arena_alloc(slot->arenas[pool], size, (ia_stream_t)stream, &p);
     }
   }
-  if (st != IA_OK) fail_alloc(device, pool, (size_t)size, st);
+  if (st != IA_OK) fail_alloc(device, pool, size, st);
   return p;
 }
 
-static ia_arena_t *owner(device_slot_t *slot, void *ptr, size_t size) {
-  if (atomic_load_explicit(&slot->workspace_ready, memory_order_acquire) &&
-      ia_arena_owns(slot->arenas[IA_POOL_WORKSPACE], ptr))
-    return slot->arenas[IA_POOL_WORKSPACE];
-  return slot->arenas[size <= SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE];
-}
-
-IA_EXPORT void ia_torch_free(void *ptr, ssize_t size, int device, void *stream) {
+void ia_torch_free(void *ptr) {
   if (!ptr) return;
-  ia_status_t st;
-  device_slot_t *slot = device_slot(device, &st);
-  ia_arena_t *arena = slot ? owner(slot, ptr, (size_t)size) : NULL;
-  if (slot) st = arena ? ia_arena_free(arena, ptr, (ia_stream_t)stream) : IA_ERR_FOREIGN_POINTER;
+  const _ia_owner_t *owner = NULL;
+  ia_arena_t *arena = _ia_registry_find(ptr, &owner);
+  ia_status_t st = IA_ERR_FOREIGN_POINTER;
+  if (arena && atomic_load_explicit(&plugin.devices[owner->device].totals.captures, memory_order_relaxed) &&
+      _ia_graph_defer_free(owner->device, arena, owner, ptr))
+    return;
+  if (arena) st = ia_arena_free(arena, ptr, IA_STREAM_NONE);
+  if (st == IA_OK && owner->graph_pool) _ia_graph_freed(owner, arena);
   /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
-  if (st != IA_OK)
-    fprintf(stderr, "indexer-arena: free(%p, %zd bytes, device %d) refused: %s\n", ptr, size, device,
-            ia_status_str(st));
+  if (st != IA_OK) fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(st));
 }
 
 void ia_torch_record_stream(void *ptr, void *stream) {
-  for (int d = 0; d < MAX_DEVICES; d++) {
-    device_slot_t *slot = &plugin.devices[d];
-    if (atomic_load(&slot->ready) != 1) continue;
-    for (int p = 0; p < IA_POOL_COUNT; p++)
-      if (ia_plugin_arena(d, p) && ia_arena_record_stream(slot->arenas[p], ptr, (ia_stream_t)stream) == IA_OK)
-        return;
+  const _ia_owner_t *owner;
+  ia_arena_t *arena = _ia_registry_find(ptr, &owner);
+  if (arena) ia_arena_record_stream(arena, ptr, (ia_stream_t)stream);
+}
+
+ia_totals_t *_ia_plugin_totals(int device) {
+  return device >= 0 && device < MAX_DEVICES ? &plugin.devices[device].totals : NULL;
+}
+
+ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, const _ia_owner_t *owner,
+                                   ia_arena_t **out) {
+  device_slot_t *slot = &plugin.devices[device];
+  ia_arena_options_t o;
+  ia_arena_default_options(&o);
+  o.growable = true;
+  ia_backend_t *backend;
+  ia_status_t st = make_backend(device, slot->unified, &backend);
+  if (st != IA_OK) return st;
+  if (kind == GRAPH_WORKSPACE) {
+    /* Regions of exactly what is asked, so that the graph holds no more of the budget than it uses. */
+    o.alignment = o.region_round = o.region_min = plugin.config.alignment;
+    st = _ia_carve_backend_create(slot->arenas[IA_POOL_WORKSPACE], stream, backend, &backend);
+  } else {
+    o.alignment = 512;
+    o.region_round = 2 * MiB;
+    o.region_min = kind == GRAPH_SMALL ? 2 * MiB : 20 * MiB;
+    o.region_exact_above = kind == GRAPH_SMALL ? SIZE_MAX : 10 * MiB;
   }
+  if (st == IA_OK) st = ia_arena_create(&o, backend, out);
+  /* A carve-out's bytes are already counted by the workspace arena it comes from. */
+  if (st == IA_OK && kind != GRAPH_WORKSPACE) _ia_arena_set_totals(*out, &slot->totals);
+  if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
+  return st;
+}
+
+void _ia_plugin_flush_events(int device) {
+  if (!device_ready(device)) return;
+  for (int p = 0; p < IA_POOL_COUNT; p++)
+    if (ia_plugin_arena(device, p)) _ia_arena_flush_events(plugin.devices[device].arenas[p]);
+  _ia_graph_pools_flush_events(device);
 }
 
 /* torch.cuda.set_per_process_memory_fraction: everything the device's pools hold, the workspace
@@ -407,6 +518,29 @@ void ia_torch_empty_cache(void) {
     for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++)
       if (ia_plugin_arena(d, p)) ia_arena_release_cached(plugin.devices[d].arenas[p]);
 }
+
+static const ia_torch_entry_points_t entry_points = {
+    .alloc = ia_torch_alloc,
+    .free = ia_torch_free,
+    .record_stream = ia_torch_record_stream,
+    .empty_cache = ia_torch_empty_cache,
+    .memory_fraction = ia_torch_memory_fraction,
+    .graph_begin = ia_graph_begin,
+    .graph_end = ia_graph_end,
+    .graph_incref = ia_graph_incref,
+    .graph_release = ia_graph_release,
+    .graph_use_count = ia_graph_use_count,
+    .graph_blocks = ia_graph_blocks,
+    .graph_restore = ia_graph_restore,
+    .device_totals = ia_plugin_device_totals,
+    .device_stats = ia_plugin_device_stats,
+    .reset_peaks = ia_plugin_reset_peaks,
+    .ooms = ia_plugin_ooms,
+    .retries = ia_plugin_retries,
+    .status_str = ia_status_str,
+};
+
+const ia_torch_entry_points_t *ia_torch_entry_points(void) { return &entry_points; }
 
 /* ---- workspace scope: the MemPool's backend ------------------------------------------------- */
 

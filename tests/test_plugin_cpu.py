@@ -12,21 +12,21 @@ from conftest import run_python
 
 OOM_VIA_SHIM = """
 from alloc._core import ffi, lib
-from alloc import oom_shim
+from alloc import shims
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified = 1 << 20, 256, 0
 cudart = ffi.new("char[]", b"/nonexistent/libcudart.so")
 c.cudart_path = cudart
 {hook}
 assert lib.ia_plugin_configure(c) == lib.IA_OK
-lib.ia_torch_alloc(4096, 0, ffi.NULL)
+lib.ia_torch_alloc(4096, 0, ffi.NULL, ffi.NULL)
 print("returned")  # must never happen: a failed allocation never returns
 """
 
 
 def test_out_of_memory_is_thrown_as_c10_out_of_memory_error():
     done = run_python(OOM_VIA_SHIM.format(
-        hook='c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())'))
+        hook='c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())'))
     assert "returned" not in done.stdout
     assert done.returncode != 0
     # Nothing on the CPU catches it, so the C++ runtime names the type and the message as it dies.
@@ -38,11 +38,11 @@ def test_out_of_memory_is_thrown_as_c10_out_of_memory_error():
 def test_the_pool_entry_point_raises_too_and_returns_null_without_a_hook():
     # Workspace scope: PyTorch's caching layer calls ia_pool_alloc; a refusal throws through the
     # hook, and without one it returns NULL, which PyTorch turns into its own out-of-memory error.
-    code = OOM_VIA_SHIM.replace("lib.ia_torch_alloc(4096, 0, ffi.NULL)",
+    code = OOM_VIA_SHIM.replace("lib.ia_torch_alloc(4096, 0, ffi.NULL, ffi.NULL)",
                                 "print(lib.ia_pool_alloc(4096, 0, ffi.NULL) == ffi.NULL)")
     code = code.replace("c.budget, c.alignment", "c.scope = lib.IA_SCOPE_WORKSPACE\nc.budget, c.alignment")
     done = run_python(code.format(
-        hook='c.raise_oom = ffi.cast("void (*)(const char *)", oom_shim.raise_oom_address())'))
+        hook='c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())'))
     assert done.returncode != 0 and "c10::OutOfMemoryError" in done.stderr, done.stderr
     assert "/nonexistent/libcudart.so" in done.stderr
     done = run_python(code.format(hook=""))
@@ -57,7 +57,7 @@ def test_the_core_exports_only_what_pytorch_looks_up():
     listed = subprocess.run([nm, "-D", "--defined-only", core_library_path()], capture_output=True,
                             text=True, check=True).stdout
     names = {line.split()[-1] for line in listed.splitlines() if line.split()[1:2] == ["T"]}
-    assert names == {"PyInit__core", "ia_torch_alloc", "ia_torch_free", "ia_pool_alloc", "ia_pool_free"}
+    assert names == {"PyInit__core", "ia_pool_alloc", "ia_pool_free"}
 
 
 def test_without_a_hook_it_aborts_with_the_message_instead_of_returning_null():
@@ -70,15 +70,15 @@ def test_without_a_hook_it_aborts_with_the_message_instead_of_returning_null():
 def test_an_unconfigured_plugin_says_to_install():
     done = run_python("""
 from alloc._core import ffi, lib
-lib.ia_torch_alloc(4096, 0, ffi.NULL)
+lib.ia_torch_alloc(4096, 0, ffi.NULL, ffi.NULL)
 """)
     assert done.returncode != 0 and "call alloc.install()" in done.stderr
 
 
 def test_size_zero_and_null_free_need_nothing():
     from alloc._core import ffi, lib
-    assert lib.ia_torch_alloc(0, 0, ffi.NULL) == ffi.NULL
-    lib.ia_torch_free(ffi.NULL, 0, 0, ffi.NULL)
+    assert lib.ia_torch_alloc(0, 0, ffi.NULL, ffi.NULL) == ffi.NULL
+    lib.ia_torch_free(ffi.NULL)
 
 
 def test_install_without_cuda_is_a_clear_error():
@@ -118,15 +118,15 @@ def test_stats_of_a_device_without_arenas_are_zero():
 
 def test_shim_builds_for_the_installed_torch(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from alloc import oom_shim
+    from alloc import shims
     monkeypatch.setenv("INDEXER_ARENA_CACHE", str(tmp_path))
-    path = oom_shim.build()
+    path = shims.build()
     assert path.parent == tmp_path and path.exists()
-    assert oom_shim.build() == path  # cached
+    assert shims.build() == path  # cached
     monkeypatch.setenv("INDEXER_ARENA_CACHE", str(tmp_path / "other"))
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(alloc.InstallError, match="not an executable"):
-        oom_shim.build()
+        shims.build()
     monkeypatch.setenv("CXX", "c++ -fno-such-option")
     with pytest.raises(alloc.InstallError, match="building the out-of-memory shim failed"):
-        oom_shim.build()
+        shims.build()

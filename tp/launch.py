@@ -324,8 +324,9 @@ def spawn(nproc: int, target: list[str], *, allocator: str, backend: str | None 
     _check_allocator(allocator, nproc)
     if allocator == "arena":
         # Built once here rather than by every rank at install() time.
-        from alloc import oom_shim
-        oom_shim.build()
+        from alloc import shims
+        shims.build("oom")
+        shims.build("allocator")
     port = master_port or _free_port(master_addr)
     base = os.environ if environ is None else environ
     opts = ["--allocator", allocator] + (["--backend", backend] if backend else [])

@@ -1,0 +1,444 @@
+/* CUDA graph pools: what a captured graph allocates, kept apart from eager memory.
+ *
+ * PyTorch brackets a capture with begin/end of allocate-to-pool under a pool id, and releases the
+ * pool when the graph goes; graphs may share one pool. Between begin and end, the allocations that
+ * PyTorch's filter selects (the capture's streams) come from the pool's own arenas, one set per
+ * stream, so that a block is only ever reused by the stream that freed it: a capture may not wait
+ * on anything, and within one stream its order is the graph's order. A block freed into a pool
+ * stays in it; while the pool lives nothing it holds is handed to eager code, so a graph's
+ * addresses stay valid across replays. When the last holder releases the pool, its fully free
+ * regions go back at once (or when the device's captures end), and the rest as their last blocks
+ * are freed.
+ *
+ * While any stream of the device captures, frees that would make an eager arena record an event
+ * on a capturing stream (a block of a capturing stream) or that must order other streams
+ * (record_stream) are held back, and run when the last capture ends.
+ *
+ * Workspaces inside a capture are carved from the device's workspace arena by a per-stream arena
+ * of the pool whose regions are blocks of it: the graph keeps them for its lifetime and reuses them
+ * for its later workspaces, and they go back to the workspace arena with the pool.
+ *
+ * Locking: one mutex per device guards its pools and held frees; arenas are called outside it
+ * except when a pool is created or destroyed.
+ */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+typedef struct {
+  ia_stream_t stream;
+  ia_arena_t *arenas[GRAPH_KINDS];
+} pool_stream_t;
+
+struct graph_pool {
+  ia_pool_id_t id;
+  int use_count;  /* graphs and MemPools holding it */
+  int allocating; /* begun, not ended */
+  _ia_owner_t owner;
+  pool_stream_t *streams;
+  size_t n_streams, cap_streams;
+  graph_pool_t *next;
+};
+
+typedef struct {
+  ia_arena_t *arena;
+  const _ia_owner_t *owner;
+  void *ptr;
+} held_free_t;
+
+static struct device_graphs {
+  pthread_mutex_t lock;
+  graph_pool_t *pools;
+  held_free_t *held;
+  size_t n_held, cap_held;
+} graphs[IA_MAX_DEVICES];
+
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static void init_locks(void) {
+  for (int d = 0; d < IA_MAX_DEVICES; d++) pthread_mutex_init(&graphs[d].lock, NULL);
+}
+
+static struct device_graphs *graphs_of(int device) {
+  pthread_once(&init_once, init_locks);
+  return device >= 0 && device < IA_MAX_DEVICES ? &graphs[device] : NULL;
+}
+
+static bool same_id(ia_pool_id_t a, ia_pool_id_t b) { return a.first == b.first && a.second == b.second; }
+
+static graph_pool_t *find_pool(struct device_graphs *g, ia_pool_id_t id) {
+  for (graph_pool_t *p = g->pools; p; p = p->next)
+    if (same_id(p->id, id)) return p;
+  return NULL;
+}
+
+static graph_pool_t *find_or_create(struct device_graphs *g, int device, ia_pool_id_t id) {
+  graph_pool_t *p = find_pool(g, id);
+  if (p) return p;
+  if (!(p = calloc(1, sizeof *p))) return NULL;
+  p->id = id;
+  p->owner = (_ia_owner_t){.device = device, .graph_pool = p};
+  p->next = g->pools;
+  g->pools = p;
+  return p;
+}
+
+static uint64_t pool_capacity(const graph_pool_t *p) {
+  uint64_t total = 0;
+  for (size_t i = 0; i < p->n_streams; i++)
+    for (int k = 0; k < GRAPH_KINDS; k++)
+      if (p->streams[i].arenas[k]) {
+        ia_stats_t s;
+        ia_arena_stats(p->streams[i].arenas[k], &s);
+        total += s.capacity;
+      }
+  return total;
+}
+
+/* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock. */
+static void trim_released(struct device_graphs *g, graph_pool_t *p) {
+  if (p->use_count > 0 || p->allocating > 0) return;
+  if (atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return;
+  for (size_t i = 0; i < p->n_streams; i++)
+    for (int k = 0; k < GRAPH_KINDS; k++)
+      if (p->streams[i].arenas[k]) ia_arena_release_cached(p->streams[i].arenas[k]);
+  if (pool_capacity(p)) return;
+  graph_pool_t **link = &g->pools;
+  while (*link != p) link = &(*link)->next;
+  *link = p->next;
+  for (size_t i = 0; i < p->n_streams; i++)
+    for (int k = 0; k < GRAPH_KINDS; k++) ia_arena_destroy(p->streams[i].arenas[k]);
+  free(p->streams);
+  free(p);
+}
+
+static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int use_delta, bool create) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g || !_ia_plugin_totals(device)) return IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = create ? find_or_create(g, device, id) : find_pool(g, id);
+  ia_status_t st = IA_OK;
+  if (!p) st = create ? IA_ERR_NO_HOST_MEMORY : IA_ERR_INVALID_ARGUMENT;
+  else if (p->allocating + begin_delta < 0 || p->use_count + use_delta < 0) st = IA_ERR_INVALID_ARGUMENT;
+  if (st == IA_OK) {
+    p->allocating += begin_delta;
+    p->use_count += use_delta;
+    trim_released(g, p);
+  }
+  pthread_mutex_unlock(&g->lock);
+  return st;
+}
+
+ia_status_t ia_graph_begin(int device, ia_pool_id_t id) {
+  ia_totals_t *t = _ia_plugin_totals(device);
+  if (!t) return IA_ERR_INVALID_ARGUMENT;
+  /* Before the capture starts (PyTorch begins allocating to the pool first): events for every
+   * pending free are recorded now, while no stream of the device captures on our account. */
+  _ia_plugin_flush_events(device);
+  ia_status_t st = pool_call(device, id, 1, 1, true);
+  if (st == IA_OK) atomic_fetch_add(&t->captures, 1);
+  return st;
+}
+
+ia_status_t ia_graph_end(int device, ia_pool_id_t id) {
+  ia_status_t st = pool_call(device, id, -1, 0, false);
+  if (st != IA_OK) return st;
+  ia_totals_t *t = _ia_plugin_totals(device);
+  if (atomic_fetch_sub(&t->captures, 1) != 1) return IA_OK;
+  /* The last capture of the device ended: the held frees run, released pools give back. */
+  struct device_graphs *g = graphs_of(device);
+  for (;;) {
+    pthread_mutex_lock(&g->lock);
+    held_free_t h = {0};
+    bool any = g->n_held > 0 && atomic_load(&t->captures) == 0;
+    if (any) h = g->held[--g->n_held];
+    pthread_mutex_unlock(&g->lock);
+    if (!any) break;
+    ia_status_t fst = ia_arena_free(h.arena, h.ptr, IA_STREAM_NONE);
+    if (fst != IA_OK) fprintf(stderr, "indexer-arena: held free(%p) refused: %s\n", h.ptr, ia_status_str(fst));
+    if (h.owner->graph_pool) _ia_graph_freed(h.owner, h.arena);
+  }
+  _ia_graph_flush_arenas(device);
+  return IA_OK;
+}
+
+ia_status_t ia_graph_incref(int device, ia_pool_id_t id) { return pool_call(device, id, 0, 1, true); }
+ia_status_t ia_graph_release(int device, ia_pool_id_t id) { return pool_call(device, id, 0, -1, false); }
+
+int ia_graph_use_count(int device, ia_pool_id_t id) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return 0;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_pool(g, id);
+  int n = p ? p->use_count : 0;
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
+int ia_graph_captures(int device) {
+  ia_totals_t *t = _ia_plugin_totals(device);
+  return t ? atomic_load(&t->captures) : 0;
+}
+
+ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st) {
+  struct device_graphs *g = graphs_of(device);
+  ia_arena_t *arena = NULL;
+  *st = IA_ERR_INVALID_ARGUMENT;
+  if (!g) return NULL;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_pool(g, id);
+  pool_stream_t *ps = NULL;
+  for (size_t i = 0; p && i < p->n_streams && !ps; i++)
+    if (p->streams[i].stream == stream) ps = &p->streams[i];
+  if (p && !ps) {
+    if (p->n_streams == p->cap_streams) {
+      size_t cap = p->cap_streams ? p->cap_streams * 2 : 2;
+      pool_stream_t *grown = realloc(p->streams, cap * sizeof *grown);
+      if (grown) {
+        p->streams = grown;
+        p->cap_streams = cap;
+      }
+    }
+    if (p->n_streams < p->cap_streams) {
+      ps = &p->streams[p->n_streams++];
+      *ps = (pool_stream_t){.stream = stream};
+    } else {
+      *st = IA_ERR_NO_HOST_MEMORY;
+    }
+  }
+  if (ps) {
+    *st = IA_OK;
+    if (!ps->arenas[kind]) *st = _ia_plugin_graph_arena(device, kind, stream, &p->owner, &ps->arenas[kind]);
+    arena = ps->arenas[kind];
+  }
+  pthread_mutex_unlock(&g->lock);
+  return *st == IA_OK ? arena : NULL;
+}
+
+bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr) {
+  ia_stream_t stream;
+  uint32_t others;
+  if (!_ia_arena_live_block(arena, ptr, &stream, &others)) return false; /* the free reports it */
+  /* A pool's arena serves its own stream only, so a block freed on it needs no event; an eager
+   * arena's block of a capturing stream would. Other streams recorded on a block always do. */
+  if (!others && (owner->graph_pool || !_ia_arena_stream_capturing(arena, stream))) return false;
+  struct device_graphs *g = graphs_of(device);
+  pthread_mutex_lock(&g->lock);
+  bool held = atomic_load(&_ia_plugin_totals(device)->captures) > 0;
+  if (held && g->n_held == g->cap_held) {
+    size_t cap = g->cap_held ? g->cap_held * 2 : 64;
+    held_free_t *grown = realloc(g->held, cap * sizeof *grown);
+    if (grown) {
+      g->held = grown;
+      g->cap_held = cap;
+    }
+  }
+  held = held && g->n_held < g->cap_held; /* without room, freeing now is the lesser harm */
+  if (held) g->held[g->n_held++] = (held_free_t){arena, owner, ptr};
+  pthread_mutex_unlock(&g->lock);
+  return held;
+}
+
+void _ia_graph_freed(const _ia_owner_t *owner, ia_arena_t *arena) {
+  (void)arena;
+  struct device_graphs *g = graphs_of(owner->device);
+  pthread_mutex_lock(&g->lock);
+  trim_released(g, owner->graph_pool);
+  pthread_mutex_unlock(&g->lock);
+}
+
+void _ia_graph_flush_arenas(int device) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools, *next; p; p = next) {
+    next = p->next;
+    trim_released(g, p);
+  }
+  pthread_mutex_unlock(&g->lock);
+}
+
+void _ia_graph_pools_flush_events(int device) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools; p; p = p->next)
+    for (size_t i = 0; i < p->n_streams; i++)
+      for (int k = 0; k < GRAPH_KINDS; k++)
+        if (p->streams[i].arenas[k]) _ia_arena_flush_events(p->streams[i].arenas[k]);
+  pthread_mutex_unlock(&g->lock);
+}
+
+/* ---- what the pool holds ---------------------------------------------------------------------- */
+
+size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return 0;
+  size_t n = 0;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_pool(g, id);
+  for (size_t i = 0; p && i < p->n_streams; i++)
+    for (int k = 0; k < GRAPH_KINDS; k++) {
+      ia_arena_t *a = p->streams[i].arenas[k];
+      if (!a) continue;
+      size_t count = ia_arena_blocks(a, NULL, 0);
+      if (n + count <= cap) ia_arena_blocks(a, out + n, count);
+      n += count;
+    }
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
+ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g || ia_graph_captures(device) > 0) return IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_pool(g, id);
+  ia_status_t st = p ? IA_OK : IA_ERR_INVALID_ARGUMENT;
+  /* Everything live in the pool is freed, then the checkpoint's live blocks are made again at
+   * their addresses; the checkpoint's regions are all still held, since a pool in use gives
+   * nothing back. */
+  for (size_t i = 0; p && i < p->n_streams; i++)
+    for (int k = 0; k < GRAPH_KINDS; k++) {
+      ia_arena_t *a = p->streams[i].arenas[k];
+      if (!a) continue;
+      size_t count = ia_arena_blocks(a, NULL, 0);
+      ia_block_info_t *live = calloc(count + 1, sizeof *live);
+      if (!live) {
+        st = IA_ERR_NO_HOST_MEMORY;
+        continue;
+      }
+      count = ia_arena_blocks(a, live, count);
+      for (size_t j = 0; j < count; j++)
+        if (!live[j].is_free) ia_arena_free(a, (void *)live[j].address, IA_STREAM_NONE);
+      free(live);
+    }
+  for (size_t j = 0; st == IA_OK && j < n; j++) {
+    if (blocks[j].is_free) continue;
+    const _ia_owner_t *owner = NULL;
+    ia_arena_t *a = _ia_registry_find((void *)blocks[j].address, &owner);
+    if (!a || owner->graph_pool != p) st = IA_ERR_FOREIGN_POINTER;
+    else st = ia_arena_alloc_at(a, (void *)blocks[j].address,
+                                blocks[j].requested ? blocks[j].requested : blocks[j].size, blocks[j].stream);
+  }
+  pthread_mutex_unlock(&g->lock);
+  return st;
+}
+
+size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return 0;
+  size_t n = 0;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools; p; p = p->next, n++) {
+    if (n >= cap) continue;
+    ia_graph_pool_info_t info = {.first = p->id.first, .second = p->id.second, .use_count = p->use_count,
+                                 .allocating = p->allocating, .streams = (uint32_t)p->n_streams};
+    for (size_t i = 0; i < p->n_streams; i++)
+      for (int k = 0; k < GRAPH_KINDS; k++) {
+        if (!p->streams[i].arenas[k]) continue;
+        ia_stats_t s;
+        ia_arena_stats(p->streams[i].arenas[k], &s);
+        info.capacity += s.capacity;
+        info.in_use += s.in_use;
+        if (k == GRAPH_WORKSPACE) info.workspace += s.capacity;
+      }
+    out[n] = info;
+  }
+  pthread_mutex_unlock(&g->lock);
+  return n;
+}
+
+/* ---- the workspace carve-out backend ---------------------------------------------------------- */
+
+typedef struct {
+  ia_backend_t base;
+  ia_arena_t *parent;
+  ia_stream_t stream;
+  ia_backend_t *events;
+} carve_backend_t;
+
+static carve_backend_t *carve(ia_backend_t *b) { return (carve_backend_t *)b; }
+
+static ia_status_t carve_reserve(ia_backend_t *self, size_t size, void **out) {
+  ia_status_t st = ia_arena_alloc(carve(self)->parent, size, carve(self)->stream, out);
+  return st == IA_ERR_OUT_OF_MEMORY ? IA_ERR_BACKEND_OUT_OF_MEMORY : st;
+}
+
+static void carve_release(ia_backend_t *self, void *base, size_t size) {
+  (void)size;
+  ia_arena_free(carve(self)->parent, base, IA_STREAM_NONE);
+}
+
+#define CARVE_FORWARD(name, ret, params, args) \
+  static ret carve_##name params { return carve(self)->events->name args; }
+CARVE_FORWARD(event_create, ia_status_t, (ia_backend_t * self, void **ev), (carve(self)->events, ev))
+CARVE_FORWARD(event_destroy, void, (ia_backend_t * self, void *ev), (carve(self)->events, ev))
+CARVE_FORWARD(event_record, ia_status_t, (ia_backend_t * self, void *ev, ia_stream_t s), (carve(self)->events, ev, s))
+CARVE_FORWARD(event_done, bool, (ia_backend_t * self, void *ev), (carve(self)->events, ev))
+CARVE_FORWARD(stream_wait, ia_status_t, (ia_backend_t * self, ia_stream_t s, void *ev), (carve(self)->events, s, ev))
+CARVE_FORWARD(stream_capturing, bool, (ia_backend_t * self, ia_stream_t s), (carve(self)->events, s))
+#undef CARVE_FORWARD
+
+static void carve_destroy(ia_backend_t *self) {
+  ia_backend_destroy(carve(self)->events);
+  free(self);
+}
+
+ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,
+                                     ia_backend_t **out) {
+  carve_backend_t *c = calloc(1, sizeof *c);
+  if (!c) {
+    ia_backend_destroy(events);
+    return IA_ERR_NO_HOST_MEMORY;
+  }
+  c->base = (ia_backend_t){
+      .name = "workspace carve-out",
+      .natural_alignment = ia_arena_alignment(parent),
+      .reserve = carve_reserve,
+      .release = carve_release,
+      .event_create = carve_event_create,
+      .event_destroy = carve_event_destroy,
+      .event_record = carve_event_record,
+      .event_done = carve_event_done,
+      .stream_wait = carve_stream_wait,
+      .stream_capturing = events->stream_capturing ? carve_stream_capturing : NULL,
+      .destroy = carve_destroy,
+  };
+  c->parent = parent;
+  c->stream = stream;
+  c->events = events;
+  *out = &c->base;
+  return IA_OK;
+}
+
+void _ia_graph_add_stats(int device, ia_stats_t *sum) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools; p; p = p->next)
+    for (size_t i = 0; i < p->n_streams; i++)
+      for (int k = 0; k < GRAPH_WORKSPACE; k++)
+        if (p->streams[i].arenas[k]) {
+          ia_stats_t s;
+          ia_arena_stats(p->streams[i].arenas[k], &s);
+          _ia_stats_add(sum, &s);
+        }
+  pthread_mutex_unlock(&g->lock);
+}
+
+bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len) {
+  struct device_graphs *g = graphs_of(device);
+  bool ok = true;
+  if (msg_len) msg[0] = '\0';
+  if (!g) return true;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_pool(g, id);
+  for (size_t i = 0; p && ok && i < p->n_streams; i++)
+    for (int k = 0; ok && k < GRAPH_KINDS; k++)
+      if (p->streams[i].arenas[k]) ok = ia_arena_check(p->streams[i].arenas[k], msg, msg_len);
+  pthread_mutex_unlock(&g->lock);
+  return ok;
+}
