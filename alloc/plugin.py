@@ -450,3 +450,17 @@ def _device_index(device) -> int:
     if hasattr(device, "index"):  # torch.device
         return device.index if device.index is not None else _device_index(None)
     return int(device)
+
+
+def graph_pool_blocks(pool_id: tuple[int, int], device: int | None = None) -> list[dict]:
+    """Every block of one CUDA graph pool, live and free: address, size, free or not, stream."""
+    device = _device_index(device)
+    pool = ffi.new("ia_pool_id_t *")
+    pool.first, pool.second = pool_id
+    while True:
+        n = lib.ia_graph_blocks(device, pool[0], ffi.NULL, 0)
+        blocks = ffi.new("ia_block_info_t[]", max(n, 1))
+        if lib.ia_graph_blocks(device, pool[0], blocks, n) == n:
+            break
+    return [{"address": int(b.address), "size": int(b.size), "is_free": bool(b.is_free),
+             "stream": int(b.stream)} for b in blocks[0:n]]

@@ -3,10 +3,11 @@
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
-#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-scoped] [tests-indexer] [alloc-bench] [indexer]
+#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [decode-graphs] [indexer]
 #                           [indexer-goals] [topk] [replay] [tp]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
-# candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests)
+# candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
+# runs tests-graphs four at a time, each test being its own process anyway)
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,6 +50,8 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
                    tests/test_plugin_gpu.py tests/test_scoped_gpu.py tests/test_plugin_cpu.py \
                    tests/test_unified.py ;;
+    tests-graphs) step gpu_tests_graphs $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} \
+                    tests/test_graphs_gpu.py tests/test_plugin_gpu.py ;;
     tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider \
                     tests/test_scoped_gpu.py tests/test_engines.py \
                     "tests/test_indexer_gpu.py::test_prefill_same_indices_with_and_without_the_arena" ;;
@@ -58,6 +61,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
       step torch_alloc $py benchmarks/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
       step llama $py benchmarks/bench_llama.py --json "$OUT/llama.json"
       step arena_micro $py benchmarks/bench_arena.py --pairs 1000000 --repeats 5 --json "$OUT/arena_micro.json" ;;
+    decode-graphs) step decode_graphs $py benchmarks/bench_decode_graphs.py --json "$OUT/decode_graphs.json" ;;
     indexer) step indexer_bench $py benchmarks/bench_indexer.py --json "$OUT/indexer.json" ;;
     indexer-goals) step indexer_goals $py benchmarks/bench_indexer.py --no-sweep \
                      --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;

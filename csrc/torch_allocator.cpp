@@ -147,6 +147,16 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     return core->graph_use_count(device, to_id(id));
   }
 
+  // A MemPool's destructor turns use_on_oom off whatever it was created with.
+  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
+    TORCH_CHECK(!use_on_oom, "indexer-arena: MemPool(use_on_oom=True) is not supported: a pool's memory "
+                             "serves only allocations made inside it");
+  }
+
+  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
+    TORCH_CHECK(false, "indexer-arena: MemPool(no_split=True) is not supported under the process scope");
+  }
+
   // ---- CUDA graph trees
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t id,
                                 const std::unordered_set<void*>& expected) override {

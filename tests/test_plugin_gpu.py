@@ -240,15 +240,14 @@ s1 = alloc.memory_stats()
 del a
 alloc.reset_peak_memory_stats()
 s2 = alloc.memory_stats()
-try:
-    torch.cuda.memory_stats()
-    torch_raises = False
-except RuntimeError:
-    torch_raises = True
-print(json.dumps({"s1": s1, "s2": s2, "torch_raises": torch_raises}))
+t2 = torch.cuda.memory_stats()              # PyTorch's own call reads the same counters
+print(json.dumps({"s1": s1, "s2": s2, "torch": [t2["allocated_bytes.all.current"], t2["allocated_bytes.all.peak"],
+                  t2["reserved_bytes.all.current"], torch.cuda.memory_allocated(), torch.cuda.max_memory_reserved()]}))
 """)
     s1, s2 = out["s1"], out["s2"]
-    assert out["torch_raises"]
+    assert out["torch"] == [s2["allocated_bytes.all.current"], s2["allocated_bytes.all.peak"],
+                            s2["reserved_bytes.all.current"], s2["allocated_bytes.all.current"],
+                            s2["reserved_bytes.all.peak"]]
     assert s1["allocated_bytes.all.current"] == (5 << 20) + (1 << 20)
     assert s1["allocated_bytes.large_pool.current"] == 5 << 20
     assert s1["reserved_bytes.all.current"] == (16 << 20) + (20 << 20)  # workspace + one 20 MiB region

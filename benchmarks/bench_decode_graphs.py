@@ -1,0 +1,196 @@
+"""A serving worker's two halves in one process: the seed's chunked indexer prefill (the logits
+workspace of a 254,000-token prompt, 512 MiB budget) and a transformers Llama-style model (random
+weights, static KV cache) whose decode step is captured as a CUDA graph and replayed, under
+PyTorch's default allocator, expandable segments and the arena (process scope), each in a fresh
+process, the allocators alternated round after round (A B C A B C).
+
+    python benchmarks/bench_decode_graphs.py [--layers 8] [--batch 8] [--prompt 512] [--new 256]
+                                             [--rounds 2] [--json FILE]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+ALLOCATORS = {  # name -> (PYTORCH_CUDA_ALLOC_CONF, install the arena)
+    "default": ("", False),
+    "expandable": ("expandable_segments:True", False),
+    "arena": ("", True),
+}
+MiB = 1 << 20
+
+
+class _no_scope:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def static_cache(config, batch: int, length: int):
+    import torch
+    from transformers import StaticCache
+    try:
+        return StaticCache(config=config, max_batch_size=batch, max_cache_len=length, device="cuda",
+                           dtype=torch.bfloat16)
+    except TypeError:  # releases that size the cache from its first update
+        return StaticCache(config=config, max_cache_len=length)
+
+
+def seed_prefill(args, workspace) -> int:
+    """The seed workload's workspaces; returns the device bytes taken at its end."""
+    import torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from seed_workload import TOPK, workload
+    free0 = torch.cuda.mem_get_info()[0]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for plan in workload(args):
+        for rows in plan.pieces:
+            with workspace():
+                logits = torch.empty(rows, plan.width, dtype=torch.float32, device="cuda")
+            logits.uniform_(generator=gen)
+            torch.topk(logits, min(TOPK, plan.width), dim=1, sorted=False)
+            del logits
+    torch.cuda.synchronize()
+    return free0 - torch.cuda.mem_get_info()[0]
+
+
+def worker(args) -> dict:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import alloc
+    arena = ALLOCATORS[args.worker][1]
+    if arena:
+        alloc.install(alloc.Config(budget_mb=args.budget_mb))
+    torch.cuda.init()
+    free0 = torch.cuda.mem_get_info()[0]
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=args.layers,
+                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                         max_position_embeddings=4096)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    workspace_taken = seed_prefill(args, alloc.workspace if arena else _no_scope)
+    cache = static_cache(config, args.batch, args.prompt + args.new + 1)
+    ids = torch.randint(3, config.vocab_size, (args.batch, args.prompt), device="cuda")
+    token = torch.zeros(args.batch, 1, dtype=torch.long, device="cuda")
+    position = torch.zeros(1, dtype=torch.long, device="cuda")
+
+    def step():
+        return model(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True).logits
+
+    with torch.inference_mode():
+        out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(args.prompt, device="cuda"),
+                    use_cache=True)
+        token.copy_(out.logits[:, -1:].argmax(-1))
+        position.fill_(args.prompt)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                eager = step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = step()
+        graph.replay()                       # the same step again: the same cache slot, the same logits
+        torch.cuda.synchronize()
+        exact = bool(torch.equal(logits, eager))
+        generated = []
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for t in range(args.new):
+            token.copy_(logits[:, -1:].argmax(-1))
+            position.fill_(args.prompt + 1 + t)
+            graph.replay()
+            generated.append(token.clone())
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    tokens = torch.cat(generated, 1).tolist()
+    used = free0 - torch.cuda.mem_get_info()[0]
+    out = {"allocator": args.worker, "tokens_per_s": args.batch * args.new / seconds, "seconds": seconds,
+           "graph_matches_eager": exact, "device_used_end": used, "workspace_taken": workspace_taken,
+           "peak_reserved": torch.cuda.max_memory_reserved(), "generated": tokens,
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    if arena:
+        stats = alloc.memory_stats()
+        out["workspace_capacity"] = stats["arena.workspace.capacity"]
+        out["workspace_reserves"] = stats["arena.workspace.backend_reserves"]
+        out["graph_pool_bytes"] = stats["arena.graphs.capacity"]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2, help="passes over every allocator")
+    parser.add_argument("--prompt-tokens", type=int, default=254_000, help="the seed prefill's prompt")
+    parser.add_argument("--chunk-tokens", type=int, default=3_200)
+    parser.add_argument("--compress-ratio", type=int, default=4)
+    parser.add_argument("--budget-mb", type=int, default=512)
+    parser.add_argument("--json")
+    parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    runs = []
+    forwarded = [a for a in sys.argv[1:]]
+    if "--json" in forwarded:
+        i = forwarded.index("--json")
+        del forwarded[i:i + 2]
+    for _ in range(args.rounds):
+        for name, (alloc_conf, _) in ALLOCATORS.items():
+            env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
+            done = subprocess.run([sys.executable, __file__, "--worker", name, *forwarded], env=env,
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    base_tokens = runs[0]["generated"]
+    table = Table(title=f"Decode as a CUDA graph beside the seed prefill: Llama-style, {args.layers} layers, "
+                        f"batch {args.batch}, prompt {args.prompt}, {args.new} steps ({runs[0]['device']}, "
+                        f"torch {runs[0]['torch']}; rounds alternate)")
+    for col in ("allocator", "round", "tokens/s", "graph = eager", "device used MiB", "peak reserved MiB",
+                "seed prefill took MiB", "tokens as default"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(runs):
+        same = sum(x == y for rx, ry in zip(r["generated"], base_tokens) for x, y in zip(rx, ry))
+        table.add_row(r["allocator"], str(i // len(ALLOCATORS) + 1), f"{r['tokens_per_s']:,.0f}",
+                      "yes" if r["graph_matches_eager"] else "NO", f"{r['device_used_end'] / MiB:,.0f}",
+                      f"{r['peak_reserved'] / MiB:,.0f}", f"{r['workspace_taken'] / MiB:,.0f}",
+                      f"{same / sum(len(row) for row in base_tokens):.1%}")
+    Console().print(table)
+    best = {name: max((r for r in runs if r["allocator"] == name), key=lambda r: r["tokens_per_s"])
+            for name in ALLOCATORS}
+    a, d, e = best["arena"], best["default"], best["expandable"]
+    for r in runs:
+        if "workspace_capacity" in r:
+            print(f"arena: workspace {r['workspace_capacity'] / MiB:.0f} MiB in {r['workspace_reserves']} "
+                  f"reservation(s); graph pool {r['graph_pool_bytes'] / MiB:.0f} MiB")
+    speed, memory = a["tokens_per_s"] / d["tokens_per_s"], a["device_used_end"] / e["device_used_end"]
+    flat = all(r["workspace_capacity"] == args.budget_mb * MiB and r["workspace_reserves"] == 1
+               for r in runs if "workspace_capacity" in r)
+    print(f"arena / default tokens/s (best rounds) {speed:.3f}; arena / expandable device memory {memory:.3f}")
+    met = speed >= 0.98 and memory <= 1.0 and flat and all(r["graph_matches_eager"] for r in runs)
+    print(f"goal: tokens/s within 2% of the default allocator or better, device memory at or below "
+          f"expandable segments, the workspace one reservation of the budget, graphs exact: "
+          f"{'met' if met else 'NOT met'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
