@@ -7,8 +7,7 @@ SGLang loads ``sglang.srt.plugins`` the same way in each scheduler process
 each group, named ``indexer_arena``. Both read:
 
     INDEXER_ARENA_SCOPE   process or workspace: install the allocator in that scope
-                          (unset or empty: the plugin does nothing; vLLM: workspace only,
-                          see VLLM_REFUSED)
+                          (unset or empty: the plugin does nothing)
     INDEXER_ARENA_CONF, VLLM_SPARSE_INDEXER_MAX_LOGITS_MB: the configuration, as everywhere
 
 and then route the engine's indexer logits into ``alloc.workspace()`` by wrapping the functions
@@ -83,36 +82,23 @@ SGLANG_ROUTES = (
 )
 
 
-# vLLM's memory profiling (MemorySnapshot in vllm/utils/mem_utils.py) reads
-# torch.cuda.memory_stats(), which PyTorch's CUDAPluggableAllocator refuses: a process-wide
-# install would stop every vLLM worker at its first profile.
-VLLM_REFUSED = {"process": "vLLM's memory profiling reads torch.cuda.memory_stats(), which PyTorch "
-                           "refuses under a process-wide pluggable allocator"}
-
-
-def scope_from_env(environ: Mapping[str, str] | None = None,
-                   refused: Mapping[str, str] | None = None) -> str | None:
-    """The scope INDEXER_ARENA_SCOPE names, or None when it is unset or empty. ``refused`` maps
-    scopes this engine cannot run to the reason."""
+def scope_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The scope INDEXER_ARENA_SCOPE names, or None when it is unset or empty."""
     environ = os.environ if environ is None else environ
     scope = environ.get(SCOPE_VAR, "").strip()
     if not scope:
         return None
-    refused = refused or {}
-    usable = [s for s in plugin.SCOPES if s not in refused]
-    if scope not in usable:
-        reason = refused.get(scope, "unknown scope")
-        raise ConfigError(SCOPE_VAR, scope, f"{' or '.join(usable)} (unset: off)", "the environment",
-                          reason)
+    if scope not in plugin.SCOPES:
+        raise ConfigError(SCOPE_VAR, scope, f"{' or '.join(plugin.SCOPES)} (unset: off)", "the environment",
+                          "unknown scope")
     return scope
 
 
-def activate(routes: tuple[Route, ...], environ: Mapping[str, str] | None = None,
-             refused: Mapping[str, str] | None = None) -> str | None:
+def activate(routes: tuple[Route, ...], environ: Mapping[str, str] | None = None) -> str | None:
     """Installs the allocator in the scope the environment names and routes ``routes``; returns
     the scope, or None (and changes nothing) when INDEXER_ARENA_SCOPE is unset."""
     environ = os.environ if environ is None else environ
-    scope = scope_from_env(environ, refused)
+    scope = scope_from_env(environ)
     if scope is None:
         return None
     plugin.install(config_mod.from_env(environ), scope=scope)
@@ -122,8 +108,8 @@ def activate(routes: tuple[Route, ...], environ: Mapping[str, str] | None = None
 
 
 def vllm_plugin() -> None:
-    """The ``vllm.general_plugins`` entry point (workspace scope only)."""
-    activate(VLLM_ROUTES, refused=VLLM_REFUSED)
+    """The ``vllm.general_plugins`` entry point."""
+    activate(VLLM_ROUTES)
 
 
 def sglang_plugin() -> None:

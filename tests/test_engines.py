@@ -67,13 +67,6 @@ def test_any_other_value_is_refused_naming_the_variable(value):
     assert engines.SCOPE_VAR in str(e.value) and "process or workspace" in str(e.value)
 
 
-def test_vllm_refuses_the_process_scope_saying_why():
-    with pytest.raises(alloc.ConfigError) as e:
-        engines.activate(engines.VLLM_ROUTES, {engines.SCOPE_VAR: "process"}, engines.VLLM_REFUSED)
-    assert "torch.cuda.memory_stats" in str(e.value) and "accepted: workspace" in str(e.value)
-    assert not alloc.is_installed()
-
-
 def test_a_bad_configuration_is_refused_before_anything_is_installed():
     env = {engines.SCOPE_VAR: "workspace", alloc.ENV_VAR: "budget_mb:lots"}
     with pytest.raises(alloc.ConfigError, match="budget_mb"):

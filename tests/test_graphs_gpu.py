@@ -5,7 +5,6 @@ so that a case that crashes or breaks a capture cannot hide the others. A case c
 replays against eager execution on fresh random data itself, and prints what it computed; the two
 allocators must print the same numbers, bit for bit."""
 
-import json
 
 import pytest
 
@@ -73,15 +72,16 @@ for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0, 0], [2, 2, 1]):
         if i >= COUNT:
             continue
         inputs[i].copy_(torch.randn(inputs[i].shape, device="cuda", generator=g))
+        before = [outs[e].clone() for e in range(i)]
         graphs[i].replay()
         torch.cuda.synchronize()
         assert torch.equal(outs[i], step(inputs[i])), (order, i)
         numbers.append(outs[i].double().sum().item())
-        # A later graph never takes what an earlier one's live output holds, so the outputs of
-        # the graphs captured before this one are intact. (An earlier graph may reuse what a
-        # later one's output holds: PyTorch documents that shared pools replay in capture order.)
-        for earlier in range(i):
-            assert torch.equal(outs[earlier], step(inputs[earlier])), ("kept", order, i, earlier)
+        # A later graph never takes what an earlier one's live output holds, so its replay leaves
+        # the outputs of the graphs captured before it as they were. (An earlier graph may reuse
+        # what a later one's output holds: shared pools are documented to replay in capture order.)
+        for e in range(i):
+            assert torch.equal(outs[e], before[e]), ("kept", order, i, e)
 print(json.dumps({"numbers": numbers}))
 """
 
@@ -132,7 +132,7 @@ print(json.dumps({{"numbers": numbers}}))
 
 
 def test_a_deleted_graph_gives_its_memory_back_and_not_before():
-    out = both("""
+    both("""
 import gc
 g = torch.Generator(device="cuda").manual_seed(4)
 x = torch.randn(64 << 20, device="cuda", generator=g)   # 256 MiB
@@ -260,8 +260,8 @@ def scores(q, k):
         logits = torch.empty(q.shape[0], k.shape[0], device="cuda")   # 16 MiB from the arena
     torch.matmul(q, k.T, out=logits)
     return logits.topk(16, dim=1).values
-ws = alloc.device_arena(0, "workspace")
 scores(q, k)                               # warm-up: cuBLAS makes its handle outside the capture
+ws = alloc.device_arena(0, "workspace")
 torch.cuda.synchronize()
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):
@@ -299,3 +299,60 @@ with torch.no_grad():
         numbers.append(round(y.double().sum().item(), 3))
 print(json.dumps({"numbers": numbers}))
 """, timeout=600)
+
+
+def test_torch_compile_reduce_overhead_restores_checkpoints_between_paths():
+    # Two compiled functions in a chain, the second called with a new shape after the first was
+    # replayed: CUDA graph trees record a child of a replayed node, which restores the pool to
+    # the parent's checkpoint (setCheckpointPoolState) first.
+    out = both("""
+import torch._C as C
+restores = []
+original = C._cuda_setCheckpointPoolState
+def counting(*args):
+    restores.append(1)
+    return original(*args)
+C._cuda_setCheckpointPoolState = counting
+torch.manual_seed(10)
+first = torch.nn.Linear(128, 128).cuda().eval()
+second = torch.nn.Linear(128, 64).cuda().eval()
+f = torch.compile(lambda x: torch.relu(first(x)), mode="reduce-overhead")
+h = torch.compile(lambda y, n: second(y[:n]).sum(0), mode="reduce-overhead")
+g = torch.Generator(device="cuda").manual_seed(10)
+numbers = []
+with torch.no_grad():
+    for n in (16, 16, 16, 8, 8, 8, 4, 4, 16):
+        x = torch.randn(16, 128, device="cuda", generator=g)
+        y = f(x)
+        z = h(y, n)
+        expected = second(torch.relu(first(x))[:n]).sum(0)
+        assert torch.allclose(z, expected, rtol=1e-4, atol=1e-4), n
+        numbers.append(round(z.double().sum().item(), 3))
+print(json.dumps({"numbers": numbers, "restores": len(restores)}))
+""", timeout=600)
+    assert out["restores"] >= 1, out
+
+
+def test_a_plain_mempool_works_and_one_with_its_own_allocator_is_refused():
+    out = run(ARENA + """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    inside = torch.randn(1 << 20, device="cuda")
+outside = torch.randn(1 << 20, device="cuda")
+[held] = alloc.graph_pools()
+spans = [(b["address"], b["address"] + b["size"]) for b in alloc.graph_pool_blocks(held["id"]) if not b["is_free"]]
+placed = [any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in (inside, outside)]
+use_count = pool.use_count()
+del inside, pool
+import gc; gc.collect()
+left = alloc.graph_pools()
+other = torch.cuda.memory.CUDAPluggableAllocator(alloc.plugin.core_library_path(), "ia_pool_alloc", "ia_pool_free")
+try:
+    torch.cuda.MemPool(other.allocator())
+    refusal = None
+except RuntimeError as e:
+    refusal = str(e).splitlines()[0]
+print(json.dumps({"placed": placed, "use_count": use_count, "left": left, "refusal": refusal}))
+""")
+    assert out["placed"] == [True, False] and out["use_count"] == 1 and out["left"] == [], out
+    assert "allocator of its own" in out["refusal"] and "scope='workspace'" in out["refusal"], out
