@@ -302,38 +302,41 @@ print(json.dumps({"numbers": numbers}))
 
 
 def test_torch_compile_reduce_overhead_restores_checkpoints_between_paths():
-    # Two compiled functions in a chain, the second called with a new shape after the first was
-    # replayed: CUDA graph trees record a child of a replayed node, which restores the pool to
-    # the parent's checkpoint (setCheckpointPoolState) first.
+    # A second compiled function fed the first one's output in a new generation: CUDA graph trees
+    # record it on a new path, restoring the pool to the first graph's checkpoint
+    # (setCheckpointPoolState) before they do.
     out = both("""
 import torch._C as C
+from torch._dynamo.mutation_guard import GenerationTracker
 restores = []
 original = C._cuda_setCheckpointPoolState
 def counting(*args):
     restores.append(1)
     return original(*args)
 C._cuda_setCheckpointPoolState = counting
-torch.manual_seed(10)
-first = torch.nn.Linear(128, 128).cuda().eval()
-second = torch.nn.Linear(128, 64).cuda().eval()
-f = torch.compile(lambda x: torch.relu(first(x)), mode="reduce-overhead")
-h = torch.compile(lambda y, n: second(y[:n]).sum(0), mode="reduce-overhead")
 g = torch.Generator(device="cuda").manual_seed(10)
+square = torch.compile(lambda x: x @ x, mode="reduce-overhead")
+pair = torch.compile(lambda x: (x[0], x @ x), mode="reduce-overhead")
 numbers = []
 with torch.no_grad():
-    for n in (16, 16, 16, 8, 8, 8, 4, 4, 16):
-        x = torch.randn(16, 128, device="cuda", generator=g)
-        y = f(x)
-        z = h(y, n)
-        expected = second(torch.relu(first(x))[:n]).sum(0)
-        assert torch.allclose(z, expected, rtol=1e-4, atol=1e-4), n
-        numbers.append(round(z.double().sum().item(), 3))
+    for _ in range(3):
+        square(torch.rand(64, 64, device="cuda", generator=g))
+    for _ in range(3):
+        x = torch.rand(64, 64, device="cuda", generator=g)
+        out = square(x)
+        GenerationTracker.generation -= 1
+        row, out2 = pair(out)
+        expected = (x @ x) @ (x @ x)
+        assert torch.allclose(out2, expected, rtol=1e-3, atol=1e-3)
+        assert torch.equal(row, out[0])
+        numbers.append(round(out2.double().sum().item(), 2))
+        del row, out, out2
 print(json.dumps({"numbers": numbers, "restores": len(restores)}))
 """, timeout=600)
     assert out["restores"] >= 1, out
 
 
-def test_a_plain_mempool_works_and_one_with_its_own_allocator_is_refused():
+def test_a_plain_mempool_serves_what_is_allocated_inside_it():
     out = run(ARENA + """
 pool = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):
@@ -345,14 +348,7 @@ placed = [any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in (inside, out
 use_count = pool.use_count()
 del inside, pool
 import gc; gc.collect()
-left = alloc.graph_pools()
-other = torch.cuda.memory.CUDAPluggableAllocator(alloc.plugin.core_library_path(), "ia_pool_alloc", "ia_pool_free")
-try:
-    torch.cuda.MemPool(other.allocator())
-    refusal = None
-except RuntimeError as e:
-    refusal = str(e).splitlines()[0]
-print(json.dumps({"placed": placed, "use_count": use_count, "left": left, "refusal": refusal}))
+print(json.dumps({"placed": placed, "use_count": use_count, "left": alloc.graph_pools()}))
 """)
+    # (one with an allocator of its own: test_scoped_gpu.py::test_another_mempool_over_another_allocator)
     assert out["placed"] == [True, False] and out["use_count"] == 1 and out["left"] == [], out
-    assert "allocator of its own" in out["refusal"] and "scope='workspace'" in out["refusal"], out
