@@ -367,7 +367,6 @@ typedef struct ia_torch_entry_points {
   int (*graph_use_count)(int device, ia_pool_id_t id);
   size_t (*graph_blocks)(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap);
   ia_status_t (*graph_restore)(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n);
-  ia_device_totals_t (*device_totals)(int device);
   void (*device_stats)(int device, ia_stats_t *out); /* summed over the device's arenas */
   void (*reset_peaks)(int device);
   uint64_t (*ooms)(void);

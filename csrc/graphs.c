@@ -158,7 +158,7 @@ ia_status_t ia_graph_end(int device, ia_pool_id_t id) {
     if (!any) break;
     ia_status_t fst = ia_arena_free(h.arena, h.ptr, IA_STREAM_NONE);
     if (fst != IA_OK) fprintf(stderr, "indexer-arena: held free(%p) refused: %s\n", h.ptr, ia_status_str(fst));
-    if (h.owner->graph_pool) _ia_graph_freed(h.owner, h.arena);
+    if (h.owner->graph_pool) _ia_graph_freed(h.owner);
   }
   _ia_graph_flush_arenas(device);
   return IA_OK;
@@ -241,8 +241,7 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   return held;
 }
 
-void _ia_graph_freed(const _ia_owner_t *owner, ia_arena_t *arena) {
-  (void)arena;
+void _ia_graph_freed(const _ia_owner_t *owner) {
   struct device_graphs *g = graphs_of(owner->device);
   pthread_mutex_lock(&g->lock);
   trim_released(g, owner->graph_pool);
@@ -257,17 +256,6 @@ void _ia_graph_flush_arenas(int device) {
     next = p->next;
     trim_released(g, p);
   }
-  pthread_mutex_unlock(&g->lock);
-}
-
-void _ia_graph_pools_flush_events(int device) {
-  struct device_graphs *g = graphs_of(device);
-  if (!g) return;
-  pthread_mutex_lock(&g->lock);
-  for (graph_pool_t *p = g->pools; p; p = p->next)
-    for (size_t i = 0; i < p->n_streams; i++)
-      for (int k = 0; k < GRAPH_KINDS; k++)
-        if (p->streams[i].arenas[k]) _ia_arena_flush_events(p->streams[i].arenas[k]);
   pthread_mutex_unlock(&g->lock);
 }
 
@@ -414,21 +402,6 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
   return IA_OK;
 }
 
-void _ia_graph_add_stats(int device, ia_stats_t *sum) {
-  struct device_graphs *g = graphs_of(device);
-  if (!g) return;
-  pthread_mutex_lock(&g->lock);
-  for (graph_pool_t *p = g->pools; p; p = p->next)
-    for (size_t i = 0; i < p->n_streams; i++)
-      for (int k = 0; k < GRAPH_WORKSPACE; k++)
-        if (p->streams[i].arenas[k]) {
-          ia_stats_t s;
-          ia_arena_stats(p->streams[i].arenas[k], &s);
-          _ia_stats_add(sum, &s);
-        }
-  pthread_mutex_unlock(&g->lock);
-}
-
 bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len) {
   struct device_graphs *g = graphs_of(device);
   bool ok = true;
@@ -442,3 +415,32 @@ bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len) {
   pthread_mutex_unlock(&g->lock);
   return ok;
 }
+
+void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
+                          void *ctx) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools; p; p = p->next)
+    for (size_t i = 0; i < p->n_streams; i++)
+      for (int k = 0; k < GRAPH_KINDS; k++)
+        if (p->streams[i].arenas[k]) fn(ctx, p->id, k, p->streams[i].arenas[k]);
+  pthread_mutex_unlock(&g->lock);
+}
+
+static void flush_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
+  (void)ctx, (void)id, (void)kind;
+  _ia_arena_flush_events(arena);
+}
+
+void _ia_graph_pools_flush_events(int device) { _ia_graph_each_arena(device, flush_one, NULL); }
+
+static void add_one(void *sum, ia_pool_id_t id, int kind, ia_arena_t *arena) {
+  (void)id;
+  if (kind == GRAPH_WORKSPACE) return; /* its bytes are the workspace arena's */
+  ia_stats_t s;
+  ia_arena_stats(arena, &s);
+  _ia_stats_add(sum, &s);
+}
+
+void _ia_graph_add_stats(int device, ia_stats_t *sum) { _ia_graph_each_arena(device, add_one, sum); }

@@ -94,10 +94,13 @@ bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
 /* A free the plugin must hold back until no stream of the device captures; true when held. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
-void _ia_graph_freed(const _ia_owner_t *owner, ia_arena_t *arena);
+void _ia_graph_freed(const _ia_owner_t *owner);
 void _ia_graph_flush_arenas(int device);
 void _ia_graph_pools_flush_events(int device);
 void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
+/* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */
+void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
+                          void *ctx);
 /* Adds the counters of the device's graph pools, carve-outs left out. */
 void _ia_graph_add_stats(int device, ia_stats_t *sum);
 /* A backend whose reservations are blocks of `parent` taken on `stream`; events come from

@@ -327,8 +327,18 @@ static void report_hint(char *buf, size_t len) {
            plugin.config.oom_report_path);
 }
 
+/* Bytes the device's CUDA graph pools hold: of one pool, or of all (NULL). */
+static uint64_t graph_pools_held(int device, const ia_pool_id_t *id) {
+  ia_graph_pool_info_t info[64];
+  size_t n = ia_graph_pools(device, info, 64);
+  uint64_t held = 0;
+  for (size_t i = 0; i < n && i < 64; i++)
+    if (!id || (info[i].first == id->first && info[i].second == id->second)) held += info[i].capacity;
+  return held;
+}
+
 __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t size, ia_status_t st) {
-  char message[2048], req[32], state[256], hint[512], budget[32];
+  char message[2048], req[32], state[256], hint[512], budget[32], graphs[32];
   _ia_format_bytes(size, req, sizeof req);
   if (pool < 0) {
     snprintf(message, sizeof message, "CUDA out of memory on device %d: cannot allocate %s: %s", device,
@@ -355,23 +365,15 @@ __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t si
     else snprintf(why, sizeof why, " %s.", ia_status_str(st));
     snprintf(message, sizeof message,
              "CUDA out of memory on device %d: request of %s (%zu bytes) for the general %s pool "
-             "(it %s; the workspace arena holds a further %s).%s Free tensors or call "
-             "torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
+             "(it %s; the workspace arena holds a further %s, CUDA graph pools %s).%s Free tensors or "
+             "call torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
              "device more room.%s",
              device, req, size, pool_names[pool], state,
              ia_plugin_arena(device, IA_POOL_WORKSPACE) ? _ia_format_bytes(plugin.config.budget, budget, sizeof budget)
                                                         : "nothing (not reserved yet)",
-             why, hint);
+             _ia_format_bytes(graph_pools_held(device, NULL), graphs, sizeof graphs), why, hint);
   }
   raise_oom(message);
-}
-
-static uint64_t graph_pool_holds(int device, ia_pool_id_t id) {
-  ia_graph_pool_info_t info[64];
-  size_t n = ia_graph_pools(device, info, 64);
-  for (size_t i = 0; i < n && i < 64; i++)
-    if (info[i].first == id.first && info[i].second == id.second) return info[i].capacity;
-  return 0;
 }
 
 __attribute__((noinline)) static void fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size,
@@ -404,7 +406,7 @@ __attribute__((noinline)) static void fail_graph_alloc(int device, ia_pool_id_t 
              "eager tensors (torch.cuda.empty_cache()) before capturing, or lower budget_mb in "
              "INDEXER_ARENA_CONF.%s",
              device, req, size, id.first, id.second,
-             _ia_format_bytes(graph_pool_holds(device, id), held, sizeof held), why, hint);
+             _ia_format_bytes(graph_pools_held(device, &id), held, sizeof held), why, hint);
   }
   raise_oom(message);
 }
@@ -454,7 +456,7 @@ void ia_torch_free(void *ptr) {
       _ia_graph_defer_free(owner->device, arena, owner, ptr))
     return;
   if (arena) st = ia_arena_free(arena, ptr, IA_STREAM_NONE);
-  if (st == IA_OK && owner->graph_pool) _ia_graph_freed(owner, arena);
+  if (st == IA_OK && owner->graph_pool) _ia_graph_freed(owner);
   /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
   if (st != IA_OK) fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(st));
 }
@@ -532,7 +534,6 @@ static const ia_torch_entry_points_t entry_points = {
     .graph_use_count = ia_graph_use_count,
     .graph_blocks = ia_graph_blocks,
     .graph_restore = ia_graph_restore,
-    .device_totals = ia_plugin_device_totals,
     .device_stats = ia_plugin_device_stats,
     .reset_peaks = ia_plugin_reset_peaks,
     .ooms = ia_plugin_ooms,
@@ -603,8 +604,47 @@ IA_EXPORT void ia_pool_free(void *ptr, ssize_t size, int device, void *stream) {
 
 /* ---- the out-of-memory report ----------------------------------------------------------------- */
 
+static void write_pool(FILE *f, const char *sep_before, const char *name, ia_arena_t *a) {
+  ia_stats_t s;
+  ia_arena_stats(a, &s);
+  fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", sep_before, name);
+  const char *sep = "";
+#define IA_STAT_JSON(type, name, doc)                                                               \
+  fprintf(f, _Generic(s.name, double: "%s\"%s\": %.6f", default: "%s\"%s\": %" PRIu64), sep, #name, s.name); \
+  sep = ", ";
+  IA_STAT_FIELDS(IA_STAT_JSON)
+#undef IA_STAT_JSON
+  fprintf(f, "}, \"blocks\": [");
+  size_t count = ia_arena_blocks(a, NULL, 0);
+  ia_block_info_t *blocks = calloc(count + 1, sizeof *blocks);
+  if (blocks) count = ia_arena_blocks(a, blocks, count);
+  for (size_t i = 0; blocks && i < count; i++)
+    fprintf(f, "%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %d, %" PRIu64 "]", i ? ", " : "",
+            (uint64_t)blocks[i].region_base, (uint64_t)(blocks[i].address - blocks[i].region_base),
+            blocks[i].size, blocks[i].requested, blocks[i].is_free ? 0 : 1, (uint64_t)blocks[i].stream);
+  free(blocks);
+  fprintf(f, "]}");
+}
+
+typedef struct {
+  FILE *f;
+  const char *sep;
+} report_t;
+
+static void write_graph_pool(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *a) {
+  report_t *r = ctx;
+  if (kind == GRAPH_WORKSPACE) return;
+  char name[96];
+  snprintf(name, sizeof name, "graph (%" PRIu64 ", %" PRIu64 ") %s", id.first, id.second,
+           kind == GRAPH_SMALL ? "small" : "large");
+  write_pool(r->f, r->sep, name, a);
+  r->sep = ", ";
+}
+
 /* JSON, so that `python -m alloc report FILE` reads it back: per device and pool, the statistics
- * and every block. Written with stdio only: this runs while allocations fail. */
+ * and every block; CUDA graph pools as pools "graph (first, second) small|large" (their workspace
+ * carve-outs are blocks of the workspace pool) and, per device, "graph_pools" with each pool's
+ * figures. Written with stdio only: this runs while allocations fail. */
 bool ia_plugin_write_report(const char *path) {
   FILE *f = fopen(path, "w");
   if (!f) return false;
@@ -616,30 +656,22 @@ bool ia_plugin_write_report(const char *path) {
     fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"pools\": [", first_device ? "" : ", ", d,
             slot->unified ? "true" : "false");
     first_device = false;
-    const char *pool_sep = "";
-    for (int p = 0; p < IA_POOL_COUNT; p++) {
-      if (!ia_plugin_arena(d, p)) continue;
-      ia_stats_t s;
-      ia_arena_stats(slot->arenas[p], &s);
-      fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", pool_sep, pool_names[p]);
-      pool_sep = ", ";
-      const char *sep = "";
-#define IA_STAT_JSON(type, name, doc)                                                               \
-  fprintf(f, _Generic(s.name, double: "%s\"%s\": %.6f", default: "%s\"%s\": %" PRIu64), sep, #name, s.name); \
-  sep = ", ";
-      IA_STAT_FIELDS(IA_STAT_JSON)
-#undef IA_STAT_JSON
-      fprintf(f, "}, \"blocks\": [");
-      size_t count = ia_arena_blocks(slot->arenas[p], NULL, 0);
-      ia_block_info_t *blocks = calloc(count + 1, sizeof *blocks);
-      if (blocks) count = ia_arena_blocks(slot->arenas[p], blocks, count);
-      for (size_t i = 0; blocks && i < count; i++)
-        fprintf(f, "%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %d, %" PRIu64 "]", i ? ", " : "",
-                (uint64_t)blocks[i].region_base, (uint64_t)(blocks[i].address - blocks[i].region_base),
-                blocks[i].size, blocks[i].requested, blocks[i].is_free ? 0 : 1, (uint64_t)blocks[i].stream);
-      free(blocks);
-      fprintf(f, "]}");
-    }
+    const char *sep = "";
+    for (int p = 0; p < IA_POOL_COUNT; p++)
+      if (ia_plugin_arena(d, p)) {
+        write_pool(f, sep, pool_names[p], slot->arenas[p]);
+        sep = ", ";
+      }
+    report_t r = {f, sep};
+    _ia_graph_each_arena(d, write_graph_pool, &r);
+    ia_graph_pool_info_t pools[64];
+    size_t n = ia_graph_pools(d, pools, 64);
+    n = n < 64 ? n : 64;
+    fprintf(f, "], \"graph_pools\": [");
+    for (size_t i = 0; i < n; i++)
+      fprintf(f, "%s{\"id\": [%" PRIu64 ", %" PRIu64 "], \"use_count\": %d, \"capacity\": %" PRIu64
+              ", \"in_use\": %" PRIu64 ", \"workspace\": %" PRIu64 "}", i ? ", " : "", pools[i].first,
+              pools[i].second, (int)pools[i].use_count, pools[i].capacity, pools[i].in_use, pools[i].workspace);
     fprintf(f, "]}");
   }
   fprintf(f, "]}\n");

@@ -344,3 +344,27 @@ print("returned")
 """)
     assert "returned" not in done.stdout and "c10::OutOfMemoryError" in done.stderr, done.stderr
     assert "inside a CUDA graph capture (graph pool (9, 0))" in done.stderr, done.stderr
+
+
+def test_the_memory_report_lists_graph_pools_apart(tmp_path):
+    path = tmp_path / "report.json"
+    run(f"""
+import json
+from alloc import report
+eager = alloc(3 * MiB, 60)
+p = pool(11)
+capture(p, 61, 1)
+g = alloc(30 * MiB, 61, p)
+lib.ia_workspace_enter()
+w = alloc(4 * MiB, 61, p)
+lib.ia_workspace_exit()
+end_capture(p, 61)
+assert lib.ia_plugin_write_report({str(path)!r}.encode())
+r = report.check_report(json.load(open({str(path)!r})))
+[dev] = r["devices"]
+assert dev["graph_pools"] == [{{"id": [11, 0], "use_count": 1, "capacity": 34 * MiB,
+                                "in_use": 34 * MiB, "workspace": 4 * MiB}}], dev["graph_pools"]
+rows = {{s["pool"]: s for s in report.summarize(r)}}
+assert rows["graph (11, 0) large"]["in_use"] == 30 * MiB      # the carve-out is the workspace pool's
+assert rows["workspace"]["in_use"] == 4 * MiB and rows["large"]["in_use"] == 3 * MiB
+""")
