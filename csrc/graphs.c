@@ -156,9 +156,10 @@ ia_status_t ia_graph_end(int device, ia_pool_id_t id) {
     if (any) h = g->held[--g->n_held];
     pthread_mutex_unlock(&g->lock);
     if (!any) break;
+    graph_pool_t *pool = h.owner->graph_pool; /* read while the block keeps the pool alive */
     ia_status_t fst = ia_arena_free(h.arena, h.ptr, IA_STREAM_NONE);
     if (fst != IA_OK) fprintf(stderr, "indexer-arena: held free(%p) refused: %s\n", h.ptr, ia_status_str(fst));
-    if (h.owner->graph_pool) _ia_graph_freed(h.owner);
+    if (pool) _ia_graph_freed(device, pool);
   }
   _ia_graph_flush_arenas(device);
   return IA_OK;
@@ -241,10 +242,13 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   return held;
 }
 
-void _ia_graph_freed(const _ia_owner_t *owner) {
-  struct device_graphs *g = graphs_of(owner->device);
+void _ia_graph_freed(int device, graph_pool_t *pool) {
+  struct device_graphs *g = graphs_of(device);
   pthread_mutex_lock(&g->lock);
-  trim_released(g, owner->graph_pool);
+  /* Another thread's free may have emptied the pool and removed it since this block's free. */
+  graph_pool_t *p = g->pools;
+  while (p && p != pool) p = p->next;
+  if (p) trim_released(g, p);
   pthread_mutex_unlock(&g->lock);
 }
 

@@ -455,8 +455,11 @@ void ia_torch_free(void *ptr) {
   if (arena && atomic_load_explicit(&plugin.devices[owner->device].totals.captures, memory_order_relaxed) &&
       _ia_graph_defer_free(owner->device, arena, owner, ptr))
     return;
+  /* The owner lives in the graph pool, which may go once this block is free: read it first. */
+  int device = arena ? owner->device : -1;
+  graph_pool_t *pool = arena ? owner->graph_pool : NULL;
   if (arena) st = ia_arena_free(arena, ptr, IA_STREAM_NONE);
-  if (st == IA_OK && owner->graph_pool) _ia_graph_freed(owner);
+  if (st == IA_OK && pool) _ia_graph_freed(device, pool);
   /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
   if (st != IA_OK) fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(st));
 }

@@ -2,8 +2,10 @@
  * allocate and free through ia_torch_alloc/ia_torch_free on their own streams, with a canary in
  * every block checked before its free, while one thread captures graphs over and over (begin, a
  * simulated capture on its stream, allocations and frees in the pool, workspaces inside the
- * capture, end, release) and checks the pool's blocks the same way. At the end nothing is live,
- * no pool is left and no capture rule was broken.
+ * capture, end, release) and checks the pool's blocks the same way. Half of the graphs are
+ * released while their outputs live, and the outputs are handed to the eager threads, which free
+ * them concurrently: the last frees into a released pool race to give it back. At the end nothing
+ * is live, no pool is left and no capture rule was broken.
  *
  * usage: graphs_stress EAGER_THREADS OPS_PER_THREAD GRAPHS   (prints "ok" or fails) */
 #include <pthread.h>
@@ -15,6 +17,14 @@
 
 static long ops_per_thread, graphs;
 static _Atomic unsigned long canary_failures;
+
+#define MAILBOX 256
+static struct {
+  pthread_mutex_t lock;
+  void *ptr[MAILBOX];
+  size_t size[MAILBOX];
+  int count;
+} mailbox = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static unsigned char tag(const void *p, size_t size) { return (unsigned char)(((uintptr_t)p >> 8) ^ size); }
 
@@ -39,12 +49,39 @@ static size_t pick(unsigned *seed) {
   return sizes[rand_r(seed) % (sizeof sizes / sizeof sizes[0])];
 }
 
+/* Puts a block in the mailbox for another thread to free; false when it is full. */
+static bool post(void *p, size_t size) {
+  pthread_mutex_lock(&mailbox.lock);
+  bool room = mailbox.count < MAILBOX;
+  if (room) {
+    mailbox.ptr[mailbox.count] = p;
+    mailbox.size[mailbox.count++] = size;
+  }
+  pthread_mutex_unlock(&mailbox.lock);
+  return room;
+}
+
+static bool take(void **p, size_t *size) {
+  pthread_mutex_lock(&mailbox.lock);
+  bool any = mailbox.count > 0;
+  if (any) {
+    mailbox.count--;
+    *p = mailbox.ptr[mailbox.count];
+    *size = mailbox.size[mailbox.count];
+  }
+  pthread_mutex_unlock(&mailbox.lock);
+  return any;
+}
+
 static void *eager(void *arg) {
   unsigned seed = (unsigned)(uintptr_t)arg;
   void *stream = (void *)(uintptr_t)(100 + (uintptr_t)arg);
   struct { void *p; size_t size; } held[32];
   int n = 0;
   for (long op = 0; op < ops_per_thread; op++) {
+    void *posted;
+    size_t posted_size;
+    if (op % 4 == 0 && take(&posted, &posted_size)) check_and_free(posted, posted_size);
     if (n == 32 || (n && rand_r(&seed) % 2)) {
       int i = rand_r(&seed) % n;
       check_and_free(held[i].p, held[i].size);
@@ -80,9 +117,12 @@ static void *grapher(void *arg) {
     }
     ia_host_capture_end(stream);
     if (ia_graph_end(0, id) != IA_OK) abort();
+    bool hand_out = g % 2;
+    if (hand_out && ia_graph_release(0, id) != IA_OK) abort(); /* the outputs outlive the graph */
     for (int i = 0; i < 8; i++)
-      if (out[i]) check_and_free(out[i], sizes[i]);
-    if (ia_graph_release(0, id) != IA_OK) abort();
+      if (out[i] && !(hand_out && i < 7 && post(out[i], sizes[i]))) /* not the workspace: its budget is small */
+        check_and_free(out[i], sizes[i]);
+    if (!hand_out && ia_graph_release(0, id) != IA_OK) abort();
   }
   return NULL;
 }
@@ -102,6 +142,9 @@ int main(int argc, char **argv) {
   pthread_create(&t[63], NULL, grapher, NULL);
   for (int i = 0; i < threads && i < 63; i++) pthread_join(t[i], NULL);
   pthread_join(t[63], NULL);
+  void *left;
+  size_t left_size;
+  while (take(&left, &left_size)) check_and_free(left, left_size);
   ia_graph_pool_info_t info[4];
   ia_device_totals_t totals = ia_plugin_device_totals(0);
   size_t pools = ia_graph_pools(0, info, 4);
