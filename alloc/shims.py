@@ -24,7 +24,18 @@ from dataclasses import dataclass
 
 from .errors import InstallError
 
-CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+# An installed wheel carries the sources in the package (setup.py copies them there); a checkout
+# or an editable install reads them from csrc/.
+_SOURCE_DIRS = (pathlib.Path(__file__).resolve().parent / "_csrc",
+                pathlib.Path(__file__).resolve().parent.parent / "csrc")
+
+
+def source_dir() -> pathlib.Path:
+    for d in _SOURCE_DIRS:
+        if all((d / name).exists() for shim in SHIMS.values() for name in (shim.source, "arena.h")):
+            return d
+    raise InstallError(f"this installation lacks the C++ sources the allocator compiles at run time "
+                       f"(looked in {' and '.join(map(str, _SOURCE_DIRS))}): reinstall indexer-arena")
 
 
 @dataclass(frozen=True)
@@ -82,9 +93,10 @@ def build(name: str = "oom") -> pathlib.Path:
     from torch.utils import cpp_extension
 
     shim = SHIMS[name]
+    csrc = source_dir()
     cxx = _compiler(shim.what)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    sources = [CSRC / shim.source] + ([CSRC / "arena.h"] if shim.cuda else [])
+    sources = [csrc / shim.source] + ([csrc / "arena.h"] if shim.cuda else [])
     key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources), torch.__version__.encode(),
                                      " ".join(cxx).encode(), str(abi).encode()])).hexdigest()[:16]
     out = cache_dir() / f"{pathlib.Path(shim.source).stem}-{key}.so"
@@ -93,14 +105,14 @@ def build(name: str = "oom") -> pathlib.Path:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libraries = ["-lc10"]
     if shim.cuda:
-        includes += _cuda_includes(shim.what) + [f"-I{CSRC}"]
+        includes += _cuda_includes(shim.what) + [f"-I{csrc}"]
         libraries = ["-ltorch_cuda", "-ltorch_cpu", "-lc10_cuda", "-lc10"]
     out.parent.mkdir(parents=True, exist_ok=True)
     lib_dir = pathlib.Path(torch.__file__).resolve().parent / "lib"
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = pathlib.Path(tmp) / out.name
         cmd = [*cxx, "-shared", "-fPIC", "-O2", "-std=c++17", "-fvisibility=hidden",
-               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(CSRC / shim.source),
+               f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(csrc / shim.source),
                f"-L{lib_dir}", *libraries, f"-Wl,-rpath,{lib_dir}", "-o", str(partial)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
