@@ -15,6 +15,26 @@ from .units import fmt_bytes
 STREAM_NONE = (1 << 64) - 1
 """Stream value of memory no stream has touched yet."""
 
+U64_MAX = (1 << 64) - 1
+MAX_SIZE = 1 << 62
+"""The largest capacity, region or request the C core takes."""
+
+
+def _checked(name: str, value, low: int, high: int) -> int:
+    """An int argument, checked before it reaches C, where it would be wrapped to 64 bits."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be from {low} to {high}, got {value}")
+    return value
+
+
+def _power_of_two(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_SIZE \
+            or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two from {low} to {MAX_SIZE}, got {value!r}")
+    return value
+
 STAT_NAMES = tuple(name for name, _ in ffi.typeof("ia_stats_t").fields)
 
 
@@ -112,13 +132,22 @@ class Arena:
                  region_round: int = 2 << 20, region_exact_above: int | None = None,
                  limit: int = 0, host_limit: int | None = None, cudart: str | None = None,
                  guard: HostGuard | None = None, name: str = "arena"):
-        for label, value in (("capacity", capacity), ("limit", limit)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{label} must be a non-negative int, got {value!r}")
-        if not isinstance(alignment, int) or alignment < 16 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two >= 16, got {alignment}")
+        # Everything is checked before the backend exists, so that a refusal leaves nothing behind.
+        _checked("capacity", capacity, 0, MAX_SIZE)
+        _checked("limit", limit, 0, U64_MAX)
+        _power_of_two("alignment", alignment, 16)
         if not growable and capacity == 0:
             raise ValueError("a fixed arena needs capacity > 0 (or pass growable=True)")
+        if growable:
+            _power_of_two("region_round", region_round, alignment)
+            if _checked("region_min", region_min, 0, MAX_SIZE) % alignment:
+                raise ValueError(f"region_min must be a multiple of the alignment ({alignment}), got {region_min}")
+        if region_exact_above is not None:
+            _checked("region_exact_above", region_exact_above, 0, U64_MAX)
+        if host_limit is not None:
+            _checked("host_limit", host_limit, 0, U64_MAX)
+        if device is not None:
+            _checked("device", device, 0, 1 << 31)
         self.name = name
         self.backend_name = backend
         self.device = device
@@ -148,9 +177,9 @@ class Arena:
             raise BackendError(f"{name}: could not create the arena: {why}")
         self._arena = out[0]
         self._owned = True
-        self.capacity = capacity
         self.alignment = alignment
         self.growable = growable
+        self.capacity = self.stats()["capacity"]  # what was reserved: rounded to the alignment
 
     @classmethod
     def view(cls, handle, *, name: str, backend: str, device: int | None = None) -> Arena:
@@ -175,6 +204,10 @@ class Arena:
                 self._arena = ffi.NULL
                 self._backend = self._host_controls = ffi.NULL
 
+    def __repr__(self) -> str:
+        state = "closed" if getattr(self, "_arena", ffi.NULL) == ffi.NULL else self.describe()
+        return f"<Arena {self.name!r} ({self.backend_name}): {state}>"
+
     def __enter__(self) -> Arena:
         return self
 
@@ -192,8 +225,8 @@ class Arena:
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, size: int, stream: int = 0) -> int:
         """Returns the address of a block of at least ``size`` bytes (0 for size 0)."""
-        if not isinstance(size, int) or size < 0:
-            raise ValueError(f"size must be a non-negative int, got {size!r}")
+        _checked("size", size, 0, U64_MAX)
+        _checked("stream", stream, 0, U64_MAX)
         out = ffi.new("void **")
         status = lib.ia_arena_alloc(self._handle(), size, stream, out)
         if status != lib.IA_OK:
@@ -201,12 +234,16 @@ class Arena:
         return int(ffi.cast("uintptr_t", out[0]))
 
     def free(self, address: int, stream: int = 0) -> None:
+        _checked("address", address, 0, U64_MAX)
+        _checked("stream", stream, 0, U64_MAX)
         status = lib.ia_arena_free(self._handle(), ffi.cast("void *", address), stream)
         if status != lib.IA_OK:
             raise self._bad_pointer("free", address, status)
 
     def record_stream(self, address: int, stream: int) -> None:
         """Marks the block as used on ``stream`` too; its free waits for that stream's work."""
+        _checked("address", address, 0, U64_MAX)
+        _checked("stream", stream, 0, U64_MAX)
         status = lib.ia_arena_record_stream(self._handle(), ffi.cast("void *", address), stream)
         if status != lib.IA_OK:
             raise self._bad_pointer("record_stream", address, status)
@@ -216,6 +253,7 @@ class Arena:
         return int(lib.ia_arena_release_cached(self._handle()))
 
     def owns(self, address: int) -> bool:
+        _checked("address", address, 0, U64_MAX)
         return bool(lib.ia_arena_owns(self._handle(), ffi.cast("void *", address)))
 
     # -- inspection -----------------------------------------------------------------------------
@@ -267,11 +305,12 @@ class Arena:
 
     def complete(self, stream: int) -> None:
         """Host backend: completes all work recorded so far on ``stream``."""
-        lib.ia_host_complete(self._host_backend(), stream)
+        lib.ia_host_complete(self._host_backend(), _checked("stream", stream, 0, U64_MAX))
 
     def waits(self, waiter: int, waited_on: int) -> int:
         """Host backend: how many times ``waiter`` was made to wait on ``waited_on``."""
-        return int(lib.ia_host_waits(self._host_backend(), waiter, waited_on))
+        return int(lib.ia_host_waits(self._host_backend(), _checked("waiter", waiter, 0, U64_MAX),
+                                     _checked("waited_on", waited_on, 0, U64_MAX)))
 
     # -- messages -------------------------------------------------------------------------------
     def describe(self) -> str:

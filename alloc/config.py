@@ -33,24 +33,33 @@ def _path(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
-    value = int(text, 10)
-    if value <= 0:
-        raise ValueError("must be greater than zero")
-    return value
+# The C core serves no request above 2**62 bytes; MiB counts stay below that in bytes.
+MAX_MIB = 1 << 42
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text, 10)
-    if value < 0:
-        raise ValueError("must not be negative")
-    return value
+def _whole_number(text: str) -> int:
+    """Digits 0-9 only, optionally after a minus sign: no underscores, no other scripts' digits."""
+    digits = text[1:] if text.startswith("-") else text
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError("not an integer written in the digits 0-9")
+    return int(text, 10)
+
+
+def _int_in(low: int, high: int, below: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _whole_number(text)
+        if value < low:
+            raise ValueError(below)
+        if value > high:
+            raise ValueError(f"must be at most {high}")
+        return value
+    return parse
 
 
 def _power_of_two_16(text: str) -> int:
-    value = int(text, 10)
-    if value < 16 or value & (value - 1):
-        raise ValueError("must be a power of two of at least 16")
+    value = _whole_number(text)
+    if value < 16 or value & (value - 1) or value > 1 << 30:
+        raise ValueError("must be a power of two from 16 to 2**30")
     return value
 
 
@@ -63,18 +72,18 @@ class Key:
 
 
 KEYS: dict[str, Key] = {k.name: k for k in (
-    Key("budget_mb", _positive_int, "a positive integer number of MiB",
+    Key("budget_mb", _int_in(1, MAX_MIB, "must be greater than zero"), "a positive integer number of MiB",
         "size of each device's workspace arena, reserved once (default 512)"),
-    Key("alignment", _power_of_two_16, "a power of two >= 16 (bytes)",
+    Key("alignment", _power_of_two_16, "a power of two from 16 to 2**30 (bytes)",
         "alignment of every workspace block (default 256)"),
     Key("unified", _choice("auto", "on", "off"), "auto, on or off",
         "guard every device reservation against host memory, as unified-memory GPUs need "
         "(default auto: on where the device reports itself integrated)"),
-    Key("host_headroom_mb", _non_negative_int, "a non-negative integer number of MiB",
+    Key("host_headroom_mb", _int_in(0, MAX_MIB, "must not be negative"), "a non-negative integer number of MiB",
         "unified memory: host memory kept free beyond every reservation (default 4096)"),
     Key("meminfo", _path, "a path to a file in /proc/meminfo format",
         "unified memory: where MemAvailable is read (default /proc/meminfo)"),
-    Key("trace", _non_negative_int, "a non-negative integer (events)",
+    Key("trace", _int_in(0, 1 << 32, "must not be negative"), "a non-negative integer (events)",
         "record allocation events in a ring of this many entries (default 0: off)"),
     Key("oom_report", _path, "a file path",
         "on out-of-memory, write the memory report there and name it in the error (default: none)"),
@@ -91,6 +100,16 @@ class Config:
     trace: int = 0
     oom_report: str | None = None
 
+    def __post_init__(self):
+        """Every field is checked as the environment's text would be, whatever made the Config."""
+        for name, key in KEYS.items():
+            value = getattr(self, name)
+            if name == "oom_report" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, str)):
+                raise ConfigError(name, value, key.accepted, "arguments", f"a {type(value).__name__}")
+            object.__setattr__(self, name, _parse_value(key, str(value), "arguments"))
+
     @property
     def budget_bytes(self) -> int:
         return self.budget_mb << 20
@@ -104,9 +123,6 @@ class Config:
             if name not in KEYS:
                 raise ConfigError(name, value, f"one of {', '.join(KEYS)}", "arguments",
                                   "unknown key")
-            if not isinstance(value, str):
-                value = str(value)
-            changes[name] = _parse_value(KEYS[name], value, "arguments")
         return dataclasses.replace(self, **changes)
 
     def to_env(self) -> str:
@@ -120,8 +136,7 @@ def _parse_value(key: Key, text: str, source: str) -> object:
     try:
         return key.parse(text)
     except ValueError as e:
-        reason = "not an integer" if "invalid literal" in str(e) else str(e)
-        raise ConfigError(key.name, text, key.accepted, source, reason) from None
+        raise ConfigError(key.name, text, key.accepted, source, str(e)) from None
 
 
 def parse(text: str, source: str = ENV_VAR) -> dict[str, object]:

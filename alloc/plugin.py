@@ -446,6 +446,10 @@ def device_is_unified(device: int | None = None) -> bool:
 def _device_index(device) -> int:
     if device is None:
         import torch
+        if not torch.cuda.is_available():
+            raise ValueError("no device was named and torch sees no CUDA device to take as the current "
+                             "one: pass the device index (the core's counters read 0 for a device it "
+                             "has not served)")
         return torch.cuda.current_device()
     if hasattr(device, "index"):  # torch.device
         return device.index if device.index is not None else _device_index(None)

@@ -493,9 +493,13 @@ void ia_arena_default_options(ia_arena_options_t *o) {
 ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backend, ia_arena_t **out) {
   *out = NULL;
   if (!backend) return IA_ERR_INVALID_ARGUMENT;
-  if (!opts || !_ia_is_pow2(opts->alignment) || opts->alignment < 16 ||
-      (!opts->growable && opts->capacity == 0) ||
-      (opts->growable && (!_ia_is_pow2(opts->region_round) || opts->region_round < opts->alignment))) {
+  /* Sizes past MAX_REQUEST would wrap when rounded; a region_min off the alignment would make
+   * regions whose blocks cannot tile them. */
+  if (!opts || !_ia_is_pow2(opts->alignment) || opts->alignment < 16 || opts->alignment > MAX_REQUEST ||
+      (!opts->growable && opts->capacity == 0) || opts->capacity > MAX_REQUEST ||
+      (opts->growable && (!_ia_is_pow2(opts->region_round) || opts->region_round < opts->alignment ||
+                          opts->region_round > MAX_REQUEST || opts->region_min > MAX_REQUEST ||
+                          opts->region_min % opts->alignment))) {
     ia_backend_destroy(backend);
     return IA_ERR_INVALID_ARGUMENT;
   }

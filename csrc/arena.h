@@ -154,7 +154,9 @@ typedef struct ia_arena ia_arena_t;
 typedef struct ia_arena_options {
   /* Fixed arena: the one reservation made at creation. Growable arena: 0, or a first region. */
   size_t capacity;
-  /* Every block starts at a multiple of this and spans a multiple of it; a power of two >= 16. */
+  /* Every block starts at a multiple of this and spans a multiple of it; a power of two >= 16.
+   * Sizes (capacity, region_min, region_round) above 2**62 are refused, and region_min must be a
+   * multiple of the alignment. */
   size_t alignment;
   /* Growable mode when true: a request no free block can serve reserves a new region of
    * max(region_min, round_up(size, region_round)), or round_up(size, region_round) for requests of

@@ -70,3 +70,52 @@ def test_workspace_arena_follows_the_config():
         assert a.stats()["capacity"] == 2 << 20 and a.allocate(1) % 4096 == 0
         with pytest.raises(ArenaOutOfMemory):
             a.allocate(2 << 20)
+
+
+# -- every value of the class, not the instances above -------------------------------------------
+from hypothesis import given, strategies as st  # noqa: E402
+
+from alloc.config import KEYS, MAX_MIB  # noqa: E402
+
+INT_KEYS = {"budget_mb": (1, MAX_MIB), "host_headroom_mb": (0, MAX_MIB), "trace": (0, 1 << 32)}
+
+
+@given(key=st.sampled_from(sorted(INT_KEYS)), text=st.text(max_size=12))
+def test_an_integer_key_takes_ascii_digits_in_range_and_nothing_else(key, text):
+    low, high = INT_KEYS[key]
+    plain = text.strip()
+    digits = plain[1:] if plain.startswith("-") else plain
+    good = digits.isascii() and digits.isdigit() and low <= int(plain) <= high
+    try:
+        value = parse(f"{key}:{text}")[key]
+    except ConfigError as e:
+        assert not good and e.key == key and "accepted:" in str(e)
+    else:
+        assert good and value == int(plain)
+
+
+@given(key=st.sampled_from(sorted(INT_KEYS)), value=st.integers(-(1 << 70), 1 << 70))
+def test_a_config_made_in_python_is_checked_as_the_environment_is(key, value):
+    low, high = INT_KEYS[key]
+    try:
+        made = Config(**{key: value})
+    except ConfigError as e:
+        assert not low <= value <= high and e.key == key
+    else:
+        assert low <= value <= high and getattr(made, key) == value
+        assert from_env({ENV_VAR: made.to_env()}) == made
+
+
+@given(st.one_of(st.booleans(), st.floats(allow_nan=True), st.none(), st.lists(st.integers(), max_size=1)))
+def test_a_config_refuses_values_of_the_wrong_type(value):
+    for key in ("budget_mb", "alignment", "trace", "unified"):
+        with pytest.raises(ConfigError) as e:
+            Config(**{key: value})
+        assert e.value.key == key
+
+
+@pytest.mark.parametrize("text", ["1_0", "١٢", "+5", " 0x10", "1e3", "٣"])
+def test_numbers_in_other_spellings_are_refused(text):
+    with pytest.raises(ConfigError, match="digits 0-9"):
+        parse(f"budget_mb:{text}")
+    assert set(KEYS) >= set(INT_KEYS)
