@@ -3,6 +3,7 @@ status codes into exceptions."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from dataclasses import dataclass
@@ -125,6 +126,11 @@ class Arena:
     >>> with Arena(1 << 20) as a:
     ...     p = a.allocate(1000)
     ...     a.free(p)
+
+    Any thread may call any method at any time, ``close()`` included: a call that starts after
+    ``close()`` began raises ValueError ("closed"), and ``close()`` waits for the calls already
+    inside the C core before it destroys the arena. (In C, ia_arena_destroy must not overlap any
+    other call on the arena; this object is what keeps that rule.)
     """
 
     def __init__(self, capacity: int, alignment: int = 256, backend: str = "host", *,
@@ -138,10 +144,12 @@ class Arena:
         _power_of_two("alignment", alignment, 16)
         if not growable and capacity == 0:
             raise ValueError("a fixed arena needs capacity > 0 (or pass growable=True)")
-        if growable:
-            _power_of_two("region_round", region_round, alignment)
-            if _checked("region_min", region_min, 0, MAX_SIZE) % alignment:
-                raise ValueError(f"region_min must be a multiple of the alignment ({alignment}), got {region_min}")
+        _power_of_two("region_round", region_round, 16)
+        _checked("region_min", region_min, 0, MAX_SIZE)
+        if growable and region_round < alignment:
+            raise ValueError(f"region_round must be at least the alignment ({alignment}), got {region_round}")
+        if growable and region_min % alignment:
+            raise ValueError(f"region_min must be a multiple of the alignment ({alignment}), got {region_min}")
         if region_exact_above is not None:
             _checked("region_exact_above", region_exact_above, 0, U64_MAX)
         if host_limit is not None:
@@ -151,7 +159,7 @@ class Arena:
         self.name = name
         self.backend_name = backend
         self.device = device
-        self._lock = threading.Lock()
+        self._cond, self._users, self._arena = threading.Condition(), 0, ffi.NULL
         self._keepalive: list = []
         self._backend = _new_backend(backend, device, host_limit, cudart)
         self._host_controls = self._backend
@@ -186,7 +194,7 @@ class Arena:
         """A non-owning view of an arena the C core owns (the plugin's per-device arenas)."""
         self = cls.__new__(cls)
         self.name, self.backend_name, self.device = name, backend, device
-        self._lock = threading.Lock()
+        self._cond, self._users = threading.Condition(), 0
         self._arena, self._backend, self._owned = handle, ffi.NULL, False
         self._host_controls, self._keepalive = ffi.NULL, []
         self.alignment = int(lib.ia_arena_alignment(handle))
@@ -198,10 +206,12 @@ class Arena:
     def close(self) -> None:
         if not getattr(self, "_owned", False):
             return
-        with self._lock:
-            if self._arena != ffi.NULL:
-                lib.ia_arena_destroy(self._arena)
-                self._arena = ffi.NULL
+        with self._cond:
+            handle, self._arena = self._arena, ffi.NULL  # calls from now on raise "closed"
+            while self._users:
+                self._cond.wait()
+            if handle != ffi.NULL:
+                lib.ia_arena_destroy(handle)
                 self._backend = self._host_controls = ffi.NULL
 
     def __repr__(self) -> str:
@@ -217,7 +227,24 @@ class Arena:
     def __del__(self):
         self.close()
 
+    @contextlib.contextmanager
+    def _use(self):
+        """The C handle, kept alive (close() waits) until the block ends."""
+        with self._cond:
+            if self._arena == ffi.NULL:
+                raise ValueError(f"{self.name} is closed")
+            self._users += 1
+            handle = self._arena
+        try:
+            yield handle
+        finally:
+            with self._cond:
+                self._users -= 1
+                if not self._users:
+                    self._cond.notify_all()
+
     def _handle(self):
+        """The C handle of a view (the plugin's arenas, which live as long as the process)."""
         if self._arena == ffi.NULL:
             raise ValueError(f"{self.name} is closed")
         return self._arena
@@ -228,58 +255,67 @@ class Arena:
         _checked("size", size, 0, U64_MAX)
         _checked("stream", stream, 0, U64_MAX)
         out = ffi.new("void **")
-        status = lib.ia_arena_alloc(self._handle(), size, stream, out)
-        if status != lib.IA_OK:
-            raise self._out_of_memory(size, status)
+        with self._use() as h:
+            status = lib.ia_arena_alloc(h, size, stream, out)
+            if status != lib.IA_OK:
+                raise self._out_of_memory(size, status)
         return int(ffi.cast("uintptr_t", out[0]))
 
     def free(self, address: int, stream: int = 0) -> None:
         _checked("address", address, 0, U64_MAX)
         _checked("stream", stream, 0, U64_MAX)
-        status = lib.ia_arena_free(self._handle(), ffi.cast("void *", address), stream)
-        if status != lib.IA_OK:
-            raise self._bad_pointer("free", address, status)
+        with self._use() as h:
+            status = lib.ia_arena_free(h, ffi.cast("void *", address), stream)
+            if status != lib.IA_OK:
+                raise self._bad_pointer("free", address, status)
 
     def record_stream(self, address: int, stream: int) -> None:
         """Marks the block as used on ``stream`` too; its free waits for that stream's work."""
         _checked("address", address, 0, U64_MAX)
         _checked("stream", stream, 0, U64_MAX)
-        status = lib.ia_arena_record_stream(self._handle(), ffi.cast("void *", address), stream)
-        if status != lib.IA_OK:
-            raise self._bad_pointer("record_stream", address, status)
+        with self._use() as h:
+            status = lib.ia_arena_record_stream(h, ffi.cast("void *", address), stream)
+            if status != lib.IA_OK:
+                raise self._bad_pointer("record_stream", address, status)
 
     def release_cached(self) -> int:
         """Growable arenas: gives fully free regions back to the backend; returns the bytes."""
-        return int(lib.ia_arena_release_cached(self._handle()))
+        with self._use() as h:
+            return int(lib.ia_arena_release_cached(h))
 
     def owns(self, address: int) -> bool:
         _checked("address", address, 0, U64_MAX)
-        return bool(lib.ia_arena_owns(self._handle(), ffi.cast("void *", address)))
+        with self._use() as h:
+            return bool(lib.ia_arena_owns(h, ffi.cast("void *", address)))
 
     # -- inspection -----------------------------------------------------------------------------
     def stats(self) -> dict:
         s = ffi.new("ia_stats_t *")
-        lib.ia_arena_stats(self._handle(), s)
+        with self._use() as h:
+            lib.ia_arena_stats(h, s)
         return stats_dict(s)
 
     def reset_peaks(self) -> None:
-        lib.ia_arena_reset_peaks(self._handle())
+        with self._use() as h:
+            lib.ia_arena_reset_peaks(h)
 
     def regions(self) -> list[Region]:
-        n = lib.ia_arena_regions(self._handle(), ffi.NULL, 0)
-        buf = ffi.new("ia_region_info_t[]", max(n, 1))
-        n = min(n, lib.ia_arena_regions(self._handle(), buf, n))
+        with self._use() as h:
+            n = lib.ia_arena_regions(h, ffi.NULL, 0)
+            buf = ffi.new("ia_region_info_t[]", max(n, 1))
+            n = min(n, lib.ia_arena_regions(h, buf, n))
         return [Region(int(buf[i].base), int(buf[i].size)) for i in range(n)]
 
     def blocks(self) -> list[Block]:
         """Every block in address order within each region (regions oldest first)."""
         cap = 0
-        while True:
-            buf = ffi.new("ia_block_info_t[]", max(cap, 1))
-            n = lib.ia_arena_blocks(self._handle(), buf, cap)
-            if n <= cap:
-                break
-            cap = 2 * n
+        with self._use() as h:
+            while True:
+                buf = ffi.new("ia_block_info_t[]", max(cap, 1))
+                n = lib.ia_arena_blocks(h, buf, cap)
+                if n <= cap:
+                    break
+                cap = 2 * n
         out = []
         for b in buf[0:n]:
             out.append(Block(region=int(b.region), offset=int(b.address - b.region_base),
@@ -290,27 +326,35 @@ class Arena:
     def check(self) -> None:
         """Raises InvariantError if the blocks do not tile the regions exactly."""
         msg = ffi.new("char[]", 512)
-        if not lib.ia_arena_check(self._handle(), msg, 512):
+        with self._use() as h:
+            ok = lib.ia_arena_check(h, msg, 512)
+        if not ok:
             raise InvariantError(f"{self.name}: {ffi.string(msg).decode()}")
 
     # -- host backend controls (tests and simulation) --------------------------------------------
+    @contextlib.contextmanager
     def _host_backend(self):
         if self.backend_name != "host":
             raise ValueError("stream simulation controls exist only on the host backend")
-        self._handle()
-        return self._host_controls
+        with self._use():  # the backend goes with the arena
+            yield self._host_controls
 
     def set_auto_complete(self, on: bool) -> None:
-        lib.ia_host_set_auto_complete(self._host_backend(), on)
+        with self._host_backend() as b:
+            lib.ia_host_set_auto_complete(b, bool(on))
 
     def complete(self, stream: int) -> None:
         """Host backend: completes all work recorded so far on ``stream``."""
-        lib.ia_host_complete(self._host_backend(), _checked("stream", stream, 0, U64_MAX))
+        _checked("stream", stream, 0, U64_MAX)
+        with self._host_backend() as b:
+            lib.ia_host_complete(b, stream)
 
     def waits(self, waiter: int, waited_on: int) -> int:
         """Host backend: how many times ``waiter`` was made to wait on ``waited_on``."""
-        return int(lib.ia_host_waits(self._host_backend(), _checked("waiter", waiter, 0, U64_MAX),
-                                     _checked("waited_on", waited_on, 0, U64_MAX)))
+        _checked("waiter", waiter, 0, U64_MAX)
+        _checked("waited_on", waited_on, 0, U64_MAX)
+        with self._host_backend() as b:
+            return int(lib.ia_host_waits(b, waiter, waited_on))
 
     # -- messages -------------------------------------------------------------------------------
     def describe(self) -> str:

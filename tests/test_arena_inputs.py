@@ -89,3 +89,41 @@ def test_statistics_without_a_device_say_what_to_pass():
 def test_out_of_memory_is_the_documented_error():
     with Arena(1 << 20) as a, pytest.raises(ArenaOutOfMemory):
         a.allocate(MAX_SIZE + 1)
+
+
+def test_closing_while_other_threads_use_the_arena_never_touches_freed_memory():
+    # Threads allocate, free, read statistics and walk blocks while the arena is closed under
+    # them: every call either completes or raises "closed"; none may crash the interpreter.
+    import threading
+    for round_ in range(40):
+        a = Arena(4 << 20, name=f"round {round_}")
+        errors, started = [], threading.Barrier(5)
+
+        def user(kind):
+            started.wait()
+            try:
+                for _ in range(2000):
+                    if kind == 0:
+                        a.free(a.allocate(4096))
+                    elif kind == 1:
+                        a.stats()
+                    elif kind == 2:
+                        a.blocks()
+                    else:
+                        a.check()
+            except ValueError as e:
+                if "closed" not in str(e):
+                    errors.append(e)
+            except Exception as e:  # anything else is a defect
+                errors.append(e)
+
+        threads = [threading.Thread(target=user, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        started.wait()
+        a.close()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        with pytest.raises(ValueError, match="closed"):
+            a.stats()
