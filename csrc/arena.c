@@ -108,6 +108,7 @@ struct ia_arena {
   uint64_t free_seq;
 
   ia_totals_t *totals;
+  const _Atomic int *captures; /* the device's capture count, when it has one */
   _ia_region_hook_t on_region;
   void *on_region_ctx;
   ia_trace_t *trace;
@@ -147,9 +148,16 @@ void _ia_totals_reset_peaks(ia_totals_t *t) {
   atomic_store(&t->capacity_peak, atomic_load(&t->capacity));
 }
 
+void _ia_arena_watch_captures(ia_arena_t *a, const _Atomic int *captures) {
+  pthread_mutex_lock(&a->lock);
+  a->captures = captures;
+  pthread_mutex_unlock(&a->lock);
+}
+
 void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
   pthread_mutex_lock(&a->lock);
   a->totals = t;
+  a->captures = &t->captures;
   totals_add(a, (int64_t)a->stats.in_use, (int64_t)a->stats.capacity);
   pthread_mutex_unlock(&a->lock);
 }
@@ -390,7 +398,7 @@ static void region_drop(ia_arena_t *a, region_t *r) {
 
 /* While a stream of the device captures a CUDA graph, nothing goes back to the backend: a free
  * synchronizes the device, which a capture forbids. */
-static bool capturing(const ia_arena_t *a) { return a->totals && atomic_load(&a->totals->captures) > 0; }
+static bool capturing(const ia_arena_t *a) { return a->captures && atomic_load(a->captures) > 0; }
 
 static uint64_t release_free_regions(ia_arena_t *a) {
   uint64_t released = 0;

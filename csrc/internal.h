@@ -52,10 +52,15 @@ typedef struct ia_totals {
    * under each arena's own lock, so two arenas growing at once can pass it by one region. */
   _Atomic uint64_t limit;
   /* Streams of the device capturing CUDA graphs now (begun and not ended allocate-to-pool scopes):
-   * while any do, no arena of the group gives memory back to the backend. */
+   * while any do, no arena watching it gives memory back to the backend. */
   _Atomic int captures;
 } ia_totals_t;
+/* Also watches the group's capture count (below). */
 void _ia_arena_set_totals(ia_arena_t *arena, ia_totals_t *totals);
+/* While *captures is above zero the arena gives nothing back to its backend (for an arena outside
+ * any totals group: a graph's workspace carve-out, whose backend frees into the workspace arena
+ * on the freeing stream, which a capture must not see either). */
+void _ia_arena_watch_captures(ia_arena_t *arena, const _Atomic int *captures);
 void _ia_totals_reset_peaks(ia_totals_t *totals);
 
 /* Called under the arena's lock whenever it gains (added) or gives back a region. */

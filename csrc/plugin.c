@@ -496,6 +496,7 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   /* A carve-out's bytes are already counted by the workspace arena it comes from. */
   if (st == IA_OK && kind != GRAPH_WORKSPACE) _ia_arena_set_totals(*out, &slot->totals);
+  if (st == IA_OK && kind == GRAPH_WORKSPACE) _ia_arena_watch_captures(*out, &slot->totals.captures);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
   return st;
 }

@@ -1,0 +1,217 @@
+/* Random operation sequences against the core, for a build with -fsanitize=address,undefined:
+ * a fixed and a growable arena on the host backend (allocations of any size on a few streams,
+ * frees of live, freed, interior and foreign pointers, record_stream, release_cached, allocation
+ * at an address, stream completion), and the plugin's graph pools on host memory (begin, a
+ * simulated capture, allocations in the pool and eagerly, frees held back and run, release,
+ * checkpoint and restore). The invariant walk runs every 64 operations; any broken invariant,
+ * sanitizer report or wrong status ends the run.
+ *
+ * usage: fuzz SEED OPERATIONS   (prints "ok" or fails) */
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "arena.h"
+
+#define LIVE 256
+#define STREAM_NONE ((ia_stream_t)UINTPTR_MAX) /* free on the block's own stream */
+
+/* The plugin raises out-of-memory through this hook and holds no lock then: jump back out. */
+static jmp_buf refused;
+static void raise_oom(const char *message) {
+  (void)message;
+  longjmp(refused, 1);
+}
+
+static unsigned long long rng_state;
+static unsigned long long next(void) { /* splitmix64 */
+  unsigned long long z = (rng_state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+static size_t below(size_t n) { return n ? (size_t)(next() % n) : 0; }
+
+static void fail(const char *what, long op) {
+  fprintf(stderr, "fuzz: %s at operation %ld\n", what, op);
+  exit(1);
+}
+
+static size_t any_size(void) {
+  switch (below(6)) {
+    case 0: return below(64);
+    case 1: return below(4096);
+    case 2: return below(1 << 20);
+    case 3: return below(8 << 20);
+    case 4: return (size_t)1 << below(63);
+    default: return (size_t)next();
+  }
+}
+
+typedef struct {
+  ia_arena_t *arena;
+  ia_backend_t *host;
+  void *live[LIVE];
+  int n;
+} subject_t;
+
+static void check(ia_arena_t *a, long op) {
+  char msg[512];
+  if (!ia_arena_check(a, msg, sizeof msg)) fail(msg, op);
+}
+
+static void arena_step(subject_t *s, long op) {
+  ia_stream_t stream = below(4);
+  void *p;
+  switch (below(9)) {
+    case 0: case 1: case 2: {
+      ia_status_t st = ia_arena_alloc(s->arena, any_size(), stream, &p);
+      if (st == IA_OK && p && s->n < LIVE) s->live[s->n++] = p;
+      else if (st == IA_OK && p && ia_arena_free(s->arena, p, stream) != IA_OK) fail("free of a new block", op);
+      else if (st != IA_OK && st != IA_ERR_OUT_OF_MEMORY && st != IA_ERR_BACKEND_OUT_OF_MEMORY && st != IA_ERR_LIMIT)
+        fail(ia_status_str(st), op);
+      break;
+    }
+    case 3: case 4:
+      if (s->n) {
+        int i = (int)below((size_t)s->n);
+        if (ia_arena_free(s->arena, s->live[i], below(5) ? stream : STREAM_NONE) != IA_OK)
+          fail("free of a live block", op);
+        s->live[i] = s->live[--s->n];
+      }
+      break;
+    case 5: { /* bad frees: inside a live block (every block spans the alignment at least), foreign */
+      size_t inside = ia_arena_alignment(s->arena) - 1;
+      uintptr_t q = s->n ? (uintptr_t)s->live[below((size_t)s->n)] + 1 + below(inside) : (uintptr_t)next();
+      ia_status_t st = ia_arena_free(s->arena, (void *)q, stream);
+      if (st == IA_OK) fail("a bad pointer was freed", op);
+      break;
+    }
+    case 6:
+      if (s->n) ia_arena_record_stream(s->arena, s->live[below((size_t)s->n)], below(6));
+      break;
+    case 7:
+      ia_arena_release_cached(s->arena);
+      ia_host_complete(s->host, below(6));
+      break;
+    default: { /* allocation at an address: anywhere in or near a region */
+      ia_region_info_t r[8];
+      size_t n = ia_arena_regions(s->arena, r, 8);
+      if (!n) break;
+      ia_region_info_t pick = r[below(n < 8 ? n : 8)];
+      uintptr_t at = (pick.base + below(pick.size + 4096)) & ~(uintptr_t)(ia_arena_alignment(s->arena) - 1);
+      ia_status_t st = ia_arena_alloc_at(s->arena, (void *)at, any_size() % (1 << 22) + 1, stream);
+      if (st == IA_OK && s->n < LIVE) s->live[s->n++] = (void *)at;
+      else if (st == IA_OK) ia_arena_free(s->arena, (void *)at, stream);
+    }
+  }
+  if (op % 64 == 0) check(s->arena, op);
+}
+
+static void drain(subject_t *s, long op) {
+  while (s->n)
+    if (ia_arena_free(s->arena, s->live[--s->n], STREAM_NONE) != IA_OK) fail("drain", op);
+  check(s->arena, op);
+}
+
+/* ---- the plugin's graph pools on host memory ---------------------------------------------------- */
+
+static void *plugin_live[LIVE];
+static int plugin_n;
+
+static void plugin_step(long op) {
+  static int capturing;
+  uint64_t violations = ia_host_capture_violations(); /* the standalone arenas may add their own */
+  static ia_pool_id_t id;
+  static ia_stream_t stream = 77;
+  static uint64_t capture_id;
+  switch (below(8)) {
+    case 0:
+      if (!capturing) {
+        id = (ia_pool_id_t){.first = 1 + below(3), .second = 0};
+        if (ia_graph_begin(0, id) != IA_OK) fail("begin", op);
+        ia_host_capture_begin(stream, ++capture_id);
+        capturing = 1;
+      }
+      break;
+    case 1:
+      if (capturing) {
+        ia_host_capture_end(stream);
+        if (ia_graph_end(0, id) != IA_OK) fail("end", op);
+        if (below(2) && ia_graph_release(0, id) != IA_OK) fail("release", op);
+        capturing = 0;
+      }
+      break;
+    case 2: case 3: {
+      size_t size = below(4) ? below(1 << 20) + 1 : below(24 << 20) + 1;
+      bool workspace = below(4) == 0;
+      if (workspace) ia_workspace_enter();
+      void *p = NULL;
+      if (!setjmp(refused))
+        p = ia_torch_alloc(size, 0, (void *)(capturing ? stream : below(3)), capturing ? &id : NULL);
+      if (workspace) ia_workspace_exit();
+      if (p && plugin_n < LIVE) plugin_live[plugin_n++] = p;
+      else if (p) ia_torch_free(p);
+      break;
+    }
+    case 4: case 5:
+      if (plugin_n) {
+        int i = (int)below((size_t)plugin_n);
+        if (below(4) == 0) ia_torch_record_stream(plugin_live[i], (void *)below(3));
+        ia_torch_free(plugin_live[i]);
+        plugin_live[i] = plugin_live[--plugin_n];
+      }
+      break;
+    case 6:
+      ia_torch_empty_cache();
+      break;
+    default:
+      if (!capturing) { /* a checkpoint of a pool, its live blocks freed, then restored */
+        ia_pool_id_t pid = {.first = 1 + below(3), .second = 0};
+        size_t n = ia_graph_blocks(0, pid, NULL, 0);
+        ia_block_info_t *saved = calloc(n + 1, sizeof *saved);
+        if (n && ia_graph_blocks(0, pid, saved, n) == n) {
+          ia_status_t st = ia_graph_restore(0, pid, saved, n);
+          if (st != IA_OK) fail("restore", op);
+        }
+        free(saved);
+        char msg[512];
+        if (!ia_graph_check(0, pid, msg, sizeof msg)) fail(msg, op);
+      }
+  }
+  if (ia_host_capture_violations() != violations) fail("the plugin broke a capture rule", op);
+}
+
+int main(int argc, char **argv) {
+  if (argc != 3) {
+    fprintf(stderr, "usage: %s SEED OPERATIONS\n", argv[0]);
+    return 2;
+  }
+  rng_state = strtoull(argv[1], NULL, 10);
+  long ops = atol(argv[2]);
+  subject_t subjects[2] = {{0}};
+  for (int i = 0; i < 2; i++) {
+    ia_arena_options_t o;
+    ia_arena_default_options(&o);
+    o.alignment = (size_t)256 << i;
+    if (i == 0) o.capacity = 16 << 20;
+    else o.growable = true, o.region_min = 2 << 20, o.region_exact_above = 4 << 20, o.limit = 64 << 20;
+    if (ia_host_backend_create(128 << 20, &subjects[i].host) != IA_OK) return 1;
+    ia_host_set_auto_complete(subjects[i].host, i == 0);
+    if (ia_arena_create(&o, subjects[i].host, &subjects[i].arena) != IA_OK) return 1;
+  }
+  ia_plugin_config_t c = {.budget = 32 << 20, .alignment = 256, .host_memory = 1, .raise_oom = raise_oom};
+  if (ia_plugin_configure(&c) != IA_OK) return 1;
+  for (long op = 0; op < ops; op++) {
+    int which = (int)below(3);
+    if (which < 2) arena_step(&subjects[which], op);
+    else plugin_step(op);
+  }
+  for (int i = 0; i < 2; i++) {
+    drain(&subjects[i], ops);
+    ia_arena_destroy(subjects[i].arena);
+  }
+  printf("ok\n");
+  return 0;
+}
