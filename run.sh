@@ -15,7 +15,9 @@ esac
 
 venv="${VENV:-.venv}"
 python="${PYTHON:-python3}"
+say() { echo "run.sh: $*" >&2; }
 if [ ! -x "$venv/bin/python" ]; then
+  say "creating the environment in $venv"
   # Reuse a CUDA build of torch that the system Python already has (GPU images) instead of
   # downloading another one; otherwise the venv gets its own CPU build.
   if "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -26,10 +28,12 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 if ! "$py" -c "import torch" 2>/dev/null; then
+  say "installing torch 2.13.0 (CPU build, about 200 MB: a few minutes on a fresh machine)"
   "$py" -m pip install --quiet "torch==2.13.0"
 fi
 stamp="$venv/.installed-$(cat pyproject.toml setup.py csrc/*.c csrc/*.h | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
+  say "installing indexer-arena and its test dependencies, building the C core"
   "$py" -m pip install --quiet -e ".[test,torch]"
   touch "$stamp"
 fi

@@ -10,10 +10,19 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 
+def _no_arguments(command: str, description: str, argv: list[str]) -> None:
+    """The commands that take no arguments: --help describes them, anything else is refused."""
+    parser = argparse.ArgumentParser(prog=f"python -m alloc {command}", description=description)
+    parser.parse_args(argv)  # exits 0 for --help, 2 with a usage line for anything else
+
+
 def _keys(argv: list[str]) -> int:
+    _no_arguments("keys", "The configuration keys of INDEXER_ARENA_CONF.", argv)
     from .config import ENV_VAR, VLLM_BUDGET_VAR, describe_keys
     print(f"{ENV_VAR}=key:value,key:value   ({VLLM_BUDGET_VAR} also sets budget_mb)\n")
     print(describe_keys())
@@ -21,6 +30,7 @@ def _keys(argv: list[str]) -> int:
 
 
 def _devices(argv: list[str]) -> int:
+    _no_arguments("devices", "Per CUDA device: memory attributes, unified or not, free memory.", argv)
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -43,6 +53,8 @@ def _devices(argv: list[str]) -> int:
 
 def _build_shim(argv: list[str]) -> int:
     """Builds the out-of-memory shim, and the process-scope allocator where torch has CUDA."""
+    _no_arguments("build-shim", "Compile the C++ shims for the installed torch ahead of time and print "
+                  "their paths (cached under $INDEXER_ARENA_CACHE, default ~/.cache/indexer-arena).", argv)
     import torch
     from .shims import build
     print(build("oom"))
@@ -79,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return command(argv[1:])
+    try:
+        return command(argv[1:])
+    except BrokenPipeError:  # the reader went away (`keys | head -1`): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
