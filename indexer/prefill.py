@@ -17,6 +17,7 @@ next one is taken. Nothing else is allocated inside that scope.
 from __future__ import annotations
 
 import contextlib
+import os
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -147,6 +148,10 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
     """
     if (kv is None) == (paged is None):
         raise ValueError("give exactly one of kv (dense) or paged")
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("q is on the CPU, where the kernels run only under Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before the first import of triton (slow; for tests), or move "
+                         "the tensors to a CUDA device")
     if compress_ratio < 1:
         raise ValueError(f"compress_ratio must be >= 1, got {compress_ratio}")
     if max_logits_bytes < 4:

@@ -128,3 +128,16 @@ def test_agreement_on_empty_rows_is_one():
     assert ref.topk_validity(x, idx, ks, ke, 3).all()
     idx[0, 0] = 0
     assert not ref.topk_validity(x, idx, ks, ke, 3)[0]
+
+
+def test_cpu_tensors_without_the_interpreter_say_what_to_set():
+    from conftest import run_python
+    done = run_python("""
+import torch, indexer
+q, w, kv = torch.randn(4, 2, 64), torch.rand(4, 2), torch.randn(4, 64)
+try:
+    indexer.prefill_topk(q, w, [4], [4], kv=kv, kv_scale=torch.ones(4), k=2)
+except ValueError as e:
+    print(e)
+""", env={"TRITON_INTERPRET": ""})
+    assert done.returncode == 0 and "TRITON_INTERPRET=1" in done.stdout, done.stdout + done.stderr
