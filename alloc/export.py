@@ -402,7 +402,62 @@ def load_snapshot(path: str | os.PathLike, *, data: bytes | None = None) -> dict
             or not isinstance(snapshot.get("device_traces"), list):
         raise TraceFormatError(path, None, "not a PyTorch memory snapshot: expected a dict with "
                                "'segments' and 'device_traces' lists")
+    check_snapshot(snapshot, path)
     return snapshot
+
+
+U64_MAX = (1 << 64) - 1
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+
+
+def _fields(path: str, where: str, item, required: dict, optional: dict) -> None:
+    """`item` must be a dict whose required keys (and optional ones, when present) pass their checks;
+    a check is (test, what it expects)."""
+    if not isinstance(item, dict):
+        raise TraceFormatError(path, where, f"expected an object, found {item!r}")
+    for key, (test, expected) in {**required, **optional}.items():
+        if (key in required or key in item) and not test(item.get(key)):
+            raise TraceFormatError(path, f"{where}.{key}", f"expected {expected}, found {item.get(key)!r}")
+
+
+COUNT = (_count, "an integer from 0 to 2**64 - 1")
+TEXT = (lambda v: isinstance(v, str), "a string")
+NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e30,
+          "a non-negative number")
+
+
+def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
+    """Every field of a snapshot that the reports and the replay read, checked once; raises
+    TraceFormatError naming the field."""
+    for i, seg in enumerate(snapshot["segments"]):
+        where = f"segments[{i}]"
+        _fields(path, where, seg, {"address": COUNT},
+                {"total_size": COUNT, "device": COUNT, "stream": COUNT, "ia_pool": TEXT, "segment_type": TEXT,
+                 "blocks": (lambda v: isinstance(v, list), "a list")})
+        for k, block in enumerate(seg.get("blocks", [])):
+            _fields(path, f"{where}.blocks[{k}]", block, {"size": COUNT},
+                    {"requested_size": COUNT, "state": TEXT})
+    for d, entries in enumerate(snapshot["device_traces"]):
+        if not isinstance(entries, list):
+            raise TraceFormatError(path, f"device_traces[{d}]", "not a list of trace entries")
+        for k, t in enumerate(entries):
+            _fields(path, f"device_traces[{d}][{k}]", t, {"action": TEXT},
+                    {"addr": COUNT, "size": COUNT, "time_us": NUMBER, "ia_time_ns": COUNT, "ia_seq": COUNT,
+                     "ia_thread": COUNT, "ia_stream": COUNT, "stream": COUNT, "ia_pool": TEXT})
+    meta = snapshot.get("indexer_arena")
+    if meta is None:
+        return
+    _fields(path, "indexer_arena", meta, {}, {"budget": COUNT, "dropped": COUNT,
+            "devices": (lambda v: isinstance(v, list), "a list"), "stats": (lambda v: isinstance(v, list), "a list")})
+    for i, dev in enumerate(meta.get("devices", [])):
+        _fields(path, f"indexer_arena.devices[{i}]", dev, {"device": COUNT},
+                {"unified": (lambda v: isinstance(v, bool), "true or false")})
+    for i, st in enumerate(meta.get("stats", [])):
+        _fields(path, f"indexer_arena.stats[{i}]", st,
+                {"device": COUNT, "pool": TEXT, "stats": (lambda v: isinstance(v, dict), "an object")}, {})
 
 
 _SNAPSHOT_ACTIONS = {"alloc": "alloc", "free_completed": "free", "free": "free", "oom": "fail",
@@ -431,7 +486,7 @@ def trace_from_snapshot(snapshot: dict, path: str = "<snapshot>") -> TraceFile:
             for key in needed:
                 if not isinstance(t.get(key), int) or t[key] < 0:
                     raise TraceFormatError(path, where, f"{key} missing or not a non-negative integer")
-            time_ns = t.get("ia_time_ns", t.get("time_us", 0) * 1000)
+            time_ns = t.get("ia_time_ns", int(t.get("time_us", 0) * 1000))
             stream = t.get("ia_stream", t.get("stream", 0))
             event = Event(time_ns=time_ns, thread=t.get("ia_thread", 0), action=action,
                           address=t.get("addr", 0) if action != "fail" else 0, size=t["size"],

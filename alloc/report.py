@@ -149,8 +149,17 @@ def report_from_snapshot(snapshot: dict) -> dict:
                         for d, pools in sorted(devices.items())]}
 
 
+U64_MAX = (1 << 64) - 1
+
+
+def _count(value) -> bool:
+    """A byte count or counter as the core writes it: an int from 0 to 2**64 - 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+
+
 def check_report(report: object, path: str = "<report>") -> dict:
-    """Checks the structure of a report read from a file; raises ReportError naming what is wrong."""
+    """Checks the structure of a report read from a file; raises ReportError naming what is wrong.
+    Every field the summaries read is checked here, so nothing after this meets a bad value."""
     def bad(what: str) -> ReportError:
         return ReportError(f"{path}: {what}")
 
@@ -159,24 +168,36 @@ def check_report(report: object, path: str = "<report>") -> dict:
     if report.get("format") != REPORT_FORMAT:
         raise bad(f"not an indexer-arena memory report (format {report.get('format')!r}, expected "
                   f"{REPORT_FORMAT!r})")
+    if not _count(report.setdefault("budget", 0)):
+        raise bad(f"'budget': expected a byte count (an integer from 0 to 2**64 - 1), found {report['budget']!r}")
     if not isinstance(report.get("devices"), list):
         raise bad("'devices' missing or not a list")
     for i, dev in enumerate(report["devices"]):
-        if not isinstance(dev, dict) or not isinstance(dev.get("device"), int) \
-                or not isinstance(dev.get("pools"), list):
-            raise bad(f"devices[{i}]: expected {{'device': int, 'pools': [...]}}")
+        if not isinstance(dev, dict) or not _count(dev.get("device")) or not isinstance(dev.get("pools"), list) \
+                or not isinstance(dev.setdefault("unified", False), bool):
+            raise bad(f"devices[{i}]: expected {{'device': int, 'unified': bool, 'pools': [...]}}")
         for j, pool in enumerate(dev["pools"]):
             where = f"devices[{i}].pools[{j}]"
-            if not isinstance(pool, dict) or not isinstance(pool.get("pool"), str):
+            if not isinstance(pool, dict) or not isinstance(pool.get("pool"), str) \
+                    or not isinstance(pool.setdefault("blocks", []), list):
                 raise bad(f"{where}: expected {{'pool': name, 'stats': {{...}}, 'blocks': [...]}}")
-            for k, block in enumerate(pool.get("blocks", [])):
-                if not (isinstance(block, list) and len(block) == 6
-                        and all(isinstance(v, int) and v >= 0 for v in block)):
+            for k, block in enumerate(pool["blocks"]):
+                if not (isinstance(block, list) and len(block) == 6 and all(map(_count, block))):
                     raise bad(f"{where}.blocks[{k}]: expected [region_base, offset, size, requested, "
-                              f"used, stream] (non-negative integers), found {block!r}")
-            pool.setdefault("blocks", [])
-            if not isinstance(pool.get("stats"), dict):
+                              f"used, stream] (integers from 0 to 2**64 - 1), found {block!r}")
+            stats = pool.get("stats")
+            if stats is None:
                 pool["stats"] = stats_from_blocks(pool["blocks"])
+                continue
+            if not isinstance(stats, dict):
+                raise bad(f"{where}.stats: expected an object of the arena's statistics, found {stats!r}")
+            for name, value in stats.items():
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 \
+                    if name == "fragmentation" else _count(value)
+                if name in STAT_NAMES and not ok:
+                    raise bad(f"{where}.stats.{name}: expected "
+                              f"{'a fraction from 0 to 1' if name == 'fragmentation' else 'a count from 0 to 2**64 - 1'}, "
+                              f"found {value!r}")
     return report
 
 
@@ -441,10 +462,12 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
                 data = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ReportError(f"{path}: not valid JSON: {e}") from None
+        except RecursionError:
+            raise ReportError(f"{path}: nested too deeply to be a memory report") from None
         return check_report(data, path), [], []
     trace = export.load_trace(path, allow_unknown_frees=allow_unknown_frees)
     if kind == "snapshot":
-        return report_from_snapshot(trace.snapshot), trace.events, [
+        return check_report(report_from_snapshot(trace.snapshot), path), trace.events, [
             f"arenas from the snapshot's segments ({len(trace.snapshot['segments'])})"]
     from .replay import replay_host, workspace_budget
     budget, why = workspace_budget(trace, budget)
