@@ -577,9 +577,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if value is not None and value <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
+    from .errors import ConfigError
+    from .paths import unwritable
+    why_not = unwritable(args.json, "--json") if args.json else None
+    if why_not:
+        print(f"error: {why_not}", file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args.trace, allow_unknown_frees=args.allow_unknown_frees)
-    except TraceFormatError as e:
+        budget, why = workspace_budget(trace, args.budget_mb << 20 if args.budget_mb else None)
+    except (TraceFormatError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cuda = False if args.allocators == ["host"] else _cuda_available()
@@ -590,7 +597,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               "use --allocators host", file=sys.stderr)
         return 2
     plan = compile_trace(trace, workspace_all=args.workspace_all)
-    budget, why = workspace_budget(trace, args.budget_mb << 20 if args.budget_mb else None)
     if "arena" in names and budget % MiB:
         print(f"error: the workspace budget {budget} bytes is not a whole number of MiB, which the "
               "installed allocator needs; pass --budget-mb", file=sys.stderr)

@@ -495,11 +495,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from .errors import ConfigError
     from .export import TraceFormatError
+    from .paths import unwritable
+    problems = [why for flag in ("json", "png", "text") if getattr(args, flag)
+                for why in [unwritable(getattr(args, flag), f"--{flag}")] if why]
+    if args.png == "-" or args.text == "-":
+        problems.append("--png and --text take a file name ('-' is for --json)")
+    if args.budget_mb is not None and args.budget_mb <= 0:
+        problems.append(f"--budget-mb must be a positive number of MiB, got {args.budget_mb}")
+    if args.top < 0:
+        problems.append(f"--top must not be negative, got {args.top}")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
+        return 2
     try:
         report, events, notes = load(args.source, budget=args.budget_mb << 20 if args.budget_mb else None,
                                      allow_unknown_frees=args.allow_unknown_frees)
-    except (ReportError, TraceFormatError, ArenaError) as e:
+    except (ReportError, TraceFormatError, ConfigError, ArenaError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = summarize(report, top=args.top, events=events)

@@ -46,3 +46,37 @@ def test_a_reader_that_went_away_is_no_error():
 def test_an_unknown_command_is_one_line_and_exit_two():
     done = cli("frobnicate")
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "commands: keys" in done.stderr
+
+
+CSV = ("Thread,Time,Action,Pointer,Size,Stream,Device,Pool\n"
+       "1,00:00:00.000001,allocate,0x1000,4096,0,0,workspace\n1,00:00:00.000002,free,0x1000,4096,0,0,workspace\n")
+
+
+@pytest.mark.parametrize("command, flag", [("report", "--json"), ("report", "--png"), ("report", "--text"),
+                                           ("replay", "--json")])
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, command, flag):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(CSV)
+    for out in (tmp_path / "missing" / "out", tmp_path):  # a folder that is not there; a folder
+        args = [command, str(trace), flag, str(out)] + (["--allocators", "host"] if command == "replay" else [])
+        done = cli(*args)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1 and flag in done.stderr, done.stderr
+        assert done.stdout == "" and not (tmp_path / "missing").exists()
+
+
+@pytest.mark.parametrize("command", ["report", "replay"])
+def test_a_bad_configuration_is_one_line(tmp_path, command):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(CSV.replace(",workspace\n", ",general\n"))  # no budget recorded: the configuration's
+    done = cli(command, str(trace), *(["--allocators", "host"] if command == "replay" else []),
+               env={"INDEXER_ARENA_CONF": "budget_mb:lots"})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "budget_mb" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_report_refuses_a_budget_that_is_not_positive(tmp_path, value):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(CSV)
+    done = cli("report", str(trace), "--budget-mb", value)
+    assert done.returncode == 2 and "--budget-mb" in done.stderr and done.stderr.count("\n") == 1
