@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if e.code in (0, None) else 2
     available = None
     if args.available_mb is not None:
-        if not args.available_mb > 0:
+        if not 0 < args.available_mb < float(1 << 44):  # a finite number of MiB the byte count can hold
             parser.print_usage(sys.stderr)
             print(f"{parser.prog}: error: --available-mb must be a positive number of MiB, got "
                   f"{args.available_mb}", file=sys.stderr)

@@ -179,7 +179,7 @@ def simulate_on_host(args, console: Console) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--allocators", default=",".join(ALLOCATORS),
                         type=lambda s: [a for a in s.split(",") if a])
     parser.add_argument("--prompt-tokens", type=int, default=254_000)
@@ -192,6 +192,12 @@ def main() -> None:
     for name in args.allocators:
         if name not in ALLOCATORS:
             parser.error(f"unknown allocator {name!r}; accepted: {', '.join(ALLOCATORS)}")
+    for flag in ("prompt_tokens", "chunk_tokens", "compress_ratio", "budget_mb"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    from alloc.paths import unwritable
+    if args.json and unwritable(args.json, "--json"):
+        parser.error(unwritable(args.json, "--json"))
     if args.worker:
         print(json.dumps(run_on_gpu(args)))
         return
@@ -201,7 +207,9 @@ def main() -> None:
         results = compare_on_gpu(args)
         print_gpu_table(results, console)
     else:
-        console.print("no CUDA device: simulating the workspace on the host-backed arena")
+        chosen = ", ".join(args.allocators)
+        console.print("no CUDA device: simulating the workspace on the host-backed arena"
+                      + ("" if chosen == ",".join(ALLOCATORS) else f" (--allocators {chosen} needs a GPU)"))
         results = simulate_on_host(args, console)
     if args.json:
         with open(args.json, "w") as f:
