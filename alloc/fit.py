@@ -41,6 +41,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 from .errors import ConfigError
+from .paths import unwritable
 from .torch_model import CachingAllocatorModel, ModelOutOfMemory
 from .units import MiB
 
@@ -415,8 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=SEED["max_model_len"], metavar="TOKENS")
     p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS")
     p.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
-    p.add_argument("--budget-mb", type=int, default=SEED["budget_mb"], metavar="MIB",
-                   help="workspace budget (the arena's budget_mb)")
+    p.add_argument("--budget-mb", type=int, default=None, metavar="MIB",
+                   help="workspace budget (default: budget_mb of INDEXER_ARENA_CONF, as the "
+                        "allocator would take it; 512 without one)")
     p.add_argument("--prompt-tokens", type=int, default=SEED["prompt_tokens"], metavar="TOKENS")
     p.add_argument("--available-mb", type=float, default=None, metavar="MIB",
                    help="memory available to this workload (default: read from this machine)")
@@ -436,6 +438,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 0 for --help and 2 for its own errors
         return 0 if e.code in (0, None) else 2
+    if args.budget_mb is None:
+        from .config import from_env
+        try:
+            args.budget_mb = from_env().budget_mb
+        except ConfigError as e:
+            print(f"{parser.prog}: error: {e}", file=sys.stderr)
+            return 2
+    if args.plot and unwritable(args.plot, "--plot"):
+        print(f"{parser.prog}: error: {unwritable(args.plot, '--plot')}", file=sys.stderr)
+        return 2
     available = None
     if args.available_mb is not None:
         if not 0 < args.available_mb < float(1 << 44):  # a finite number of MiB the byte count can hold

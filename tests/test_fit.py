@@ -502,7 +502,19 @@ def test_plot_writes_a_png_made_by_matplotlib(tmp_path, capsys):
 
 def test_plot_to_a_missing_directory_exits_2(tmp_path, capsys):
     assert main(["--available-mb", "8192", "--plot", str(tmp_path / "no" / "fit.png")]) == 2
-    assert "cannot write the plot" in capsys.readouterr().err
+    err = capsys.readouterr()
+    assert "--plot" in err.err and "does not exist" in err.err and err.out == ""  # checked before the work
+
+
+def test_the_budget_comes_from_the_configuration_unless_given(monkeypatch, capsys):
+    monkeypatch.setenv("INDEXER_ARENA_CONF", "budget_mb:64")
+    assert main(["--available-mb", "8192", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["budget_bytes"] == 64 << 20
+    assert main(["--available-mb", "8192", "--json", "--budget-mb", "128"]) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["budget_bytes"] == 128 << 20
+    monkeypatch.setenv("INDEXER_ARENA_CONF", "budget_mb:lots")
+    assert main(["--available-mb", "8192"]) == 2
+    assert "budget_mb" in capsys.readouterr().err
 
 
 def test_main_through_python_c():
