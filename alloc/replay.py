@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from .export import TraceFile, TraceFormatError, load_trace
-from .units import MiB, fmt_bytes
+from .units import MiB, fmt_bytes, output_width
 
 ALLOCATORS: dict[str, str | None] = {  # name -> PYTORCH_CUDA_ALLOC_CONF (None: not PyTorch's)
     "default": "",
@@ -487,13 +487,14 @@ def _mib(v) -> str:
     return "-" if v is None else f"{v / MiB:,.0f}"
 
 
-def render_table(results: list[dict], plan: Plan, trace: TraceFile, budget: int, budget_why: str) -> str:
+def render_table(results: list[dict], plan: Plan, trace: TraceFile, budget: int, budget_why: str,
+                 width: int = 150) -> str:
     import io
 
     from rich.console import Console
     from rich.table import Table
     buf = io.StringIO()
-    console = Console(file=buf, width=150, force_terminal=False, color_system=None)
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     console.print(f"trace {trace.path} ({trace.kind}): {plan.events} events, {len(plan.ops)} operations on "
                   f"device(s) {plan.devices or [0]}, {plan.trace_failures} recorded failure(s); live "
                   f"requests peak at {fmt_bytes(plan.peak_live)}; pools {plan.pools}; workspace budget "
@@ -625,7 +626,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if progress is not None:
             progress.stop()
-    text = render_table(results, plan, trace, budget, why)
+    text = render_table(results, plan, trace, budget, why, width=output_width(sys.stdout.isatty(), 150))
     if args.json:
         data = json.dumps({"trace": {"path": trace.path, "kind": trace.kind, "budget": budget,
                                      "budget_source": why, **plan.summary()},

@@ -36,7 +36,7 @@ from .arena import STAT_NAMES, Arena
 from .errors import ArenaError
 from .plugin import POOLS
 from .trace import Event
-from .units import fmt_bytes
+from .units import fmt_bytes, output_width
 
 REPORT_FORMAT = "indexer-arena-report-1"
 MAX_DEVICES = 64  # the C core's per-device table (csrc/plugin.c)
@@ -527,7 +527,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f.write(data)
     if args.png:
         write_png(report, summary, args.png, tl=tl, title=os.path.basename(args.source))
-    text = render_text(report, summary, title=title, notes=notes)
+    text = render_text(report, summary, title=title, notes=notes,
+                       width=output_width(not args.text and sys.stdout.isatty(), 160))
     if args.text:
         with open(args.text, "w") as f:
             f.write(text)

@@ -13,3 +13,9 @@ def fmt_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def output_width(to_terminal: bool, fallback: int) -> int:
+    """Columns for a table: the terminal's when it goes to one, else ``fallback`` (files, pipes)."""
+    import shutil
+    return shutil.get_terminal_size((fallback, 24)).columns if to_terminal else fallback

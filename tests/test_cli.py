@@ -99,3 +99,16 @@ def test_the_main_jobs_help_is_whole():
 def test_fit_refuses_an_infinite_memory():
     done = cli("fit", "--available-mb", "inf")
     assert done.returncode == 2 and "--available-mb" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("columns", [80, 110])
+def test_tables_fit_the_terminal(tmp_path, monkeypatch, capsys, columns):
+    from alloc import replay, report
+    trace = tmp_path / "trace.csv"
+    trace.write_text(CSV)
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert report.main([str(trace)]) == 0
+    assert replay.main([str(trace), "--allocators", "host", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(map(len, lines)) <= columns
