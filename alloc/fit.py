@@ -345,8 +345,8 @@ def print_table(report: FitReport, file=None) -> None:
                         f"{report.compress_ratio}, budget {_mib(report.budget_bytes)}, "
                         f"available {_mib(report.available_bytes)}")
     for name in ("chunk", "tokens", "width", "rows/piece", "pieces", "logits piece",
-                 "default holds", "arena holds", ""):
-        table.add_column(name, justify="right" if name else "left")
+                 "default holds", "arena holds", "crossing"):
+        table.add_column(name, justify="left" if name == "crossing" else "right")
     for r in report.rows:
         over = r.default_bytes > report.available_bytes
         note = "default crosses" if r.chunk == report.default_crossing else ""
@@ -357,10 +357,11 @@ def print_table(report: FitReport, file=None) -> None:
                       _mib(r.arena_bytes), note, style="red" if over else None)
     console.print(table)
     general = report.arena_peak - report.budget_bytes
+    segments = max(r.default_segments for r in report.rows)
     for line in (
             f"available: {_mib(report.available_bytes)} ({report.available_source})",
             f"default caching allocator: peak {_mib(report.default_peak)} in "
-            f"{max(r.default_segments for r in report.rows)} segments; "
+            f"{segments} segment{'' if segments == 1 else 's'}; "
             f"{_where(report, report.default_crossing)}",
             f"arena: {_mib(report.budget_bytes)} workspace + {_mib(general)} general path "
             f"({'top-k outputs, ' if report.topk else ''}bounds) = {_mib(report.arena_peak)}; "

@@ -534,4 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f.write(text)
     elif args.json != "-":
         print(text, end="")
+    written = [f"{flag} {path}" for flag, path in (("JSON", args.json), ("PNG", args.png), ("tables", args.text))
+               if path and path != "-"]
+    if written:  # on stderr when stdout carries the JSON
+        print(f"written: {', '.join(written)}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
