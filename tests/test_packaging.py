@@ -27,7 +27,7 @@ print("ok", built)
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps",
                             "-q", "-w", str(tmp / "dist")], capture_output=True, text=True, cwd=tmp)
     assert built.returncode == 0, built.stderr[-3000:]
     [wheel] = (tmp / "dist").glob("indexer_arena-*.whl")
