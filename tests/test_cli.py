@@ -112,3 +112,11 @@ def test_tables_fit_the_terminal(tmp_path, monkeypatch, capsys, columns):
     assert replay.main([str(trace), "--allocators", "host", "--no-progress"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines and max(map(len, lines)) <= columns
+
+
+def test_a_replay_with_failures_the_recording_did_not_have_exits_one(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text(CSV.replace(",4096,", f",{3 << 20},"))  # 3 MiB workspaces
+    assert cli("replay", str(trace), "--allocators", "host", "--budget-mb", "4", "--no-progress").returncode == 0
+    done = cli("replay", str(trace), "--allocators", "host", "--budget-mb", "2", "--no-progress")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
