@@ -141,7 +141,7 @@ def workspace_budget(trace: TraceFile, budget: int | None = None) -> tuple[int, 
     if trace.budget:
         return trace.budget, "recorded in the trace"
     from .config import ENV_VAR, from_env
-    return from_env().budget_bytes, f"the configuration's ({ENV_VAR} or its default)"
+    return from_env().budget_bytes, f"the configuration's: {ENV_VAR} or its default"
 
 
 # -- the loop, shared by every allocator -------------------------------------------------------------------
@@ -497,7 +497,8 @@ def render_table(results: list[dict], plan: Plan, trace: TraceFile, budget: int,
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     console.print(f"trace {trace.path} ({trace.kind}): {plan.events} events, {len(plan.ops)} operations on "
                   f"device(s) {plan.devices or [0]}, {plan.trace_failures} recorded failure(s); live "
-                  f"requests peak at {fmt_bytes(plan.peak_live)}; pools {plan.pools}; workspace budget "
+                  f"requests peak at {fmt_bytes(plan.peak_live)}; events per pool: "
+                  f"{', '.join(f'{pool} {n}' for pool, n in plan.pools.items())}; workspace budget "
                   f"{fmt_bytes(budget)} ({budget_why})")
     table = Table(title="replay: peak memory, failures, speed")
     for col in ("allocator", "where", "peak device MiB", "allocator peak reserved MiB", "peak in use MiB",

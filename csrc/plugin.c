@@ -393,8 +393,8 @@ __attribute__((noinline)) static void fail_graph_alloc(int device, ia_pool_id_t 
     ia_arena_t *ws = ia_plugin_arena(device, IA_POOL_WORKSPACE);
     if (ws) describe_arena(ws, state, sizeof state);
     snprintf(message, sizeof message,
-             "CUDA out of memory on device %d: workspace request of %s inside a CUDA graph capture "
-             "(graph pool (%" PRIu64 ", %" PRIu64 ")) does not fit the workspace arena (budget %s; it %s). "
+             "CUDA out of memory on device %d: workspace request of %s while capturing into CUDA graph "
+             "pool (%" PRIu64 ", %" PRIu64 ") does not fit the workspace arena (budget %s; it %s). "
              "A graph keeps the workspace blocks it allocates until it is released: raise budget_mb in "
              "INDEXER_ARENA_CONF, or capture smaller pieces.%s",
              device, req, id.first, id.second, _ia_format_bytes(plugin.config.budget, budget, sizeof budget),

@@ -247,7 +247,7 @@ print(json.dumps({"messages": messages, "captures": alloc.memory_stats()["arena.
 """)
     assert len(out["messages"]) == 2, out
     assert "for CUDA graph pool" in out["messages"][0]
-    assert "inside a CUDA graph capture" in out["messages"][1]
+    assert "while capturing into CUDA graph pool" in out["messages"][1]
 
 
 def test_a_workspace_inside_a_capture_is_served_by_the_arena_and_kept_by_the_graph():
