@@ -262,21 +262,19 @@ class Arena:
         return int(ffi.cast("uintptr_t", out[0]))
 
     def free(self, address: int, stream: int = 0) -> None:
-        _checked("address", address, 0, U64_MAX)
-        _checked("stream", stream, 0, U64_MAX)
-        with self._use() as h:
-            status = lib.ia_arena_free(h, ffi.cast("void *", address), stream)
-            if status != lib.IA_OK:
-                raise self._bad_pointer("free", address, status)
+        self._on_block("free", lib.ia_arena_free, address, stream)
 
     def record_stream(self, address: int, stream: int) -> None:
         """Marks the block as used on ``stream`` too; its free waits for that stream's work."""
+        self._on_block("record_stream", lib.ia_arena_record_stream, address, stream)
+
+    def _on_block(self, op: str, fn, address: int, stream: int) -> None:
         _checked("address", address, 0, U64_MAX)
         _checked("stream", stream, 0, U64_MAX)
         with self._use() as h:
-            status = lib.ia_arena_record_stream(h, ffi.cast("void *", address), stream)
+            status = fn(h, ffi.cast("void *", address), stream)
             if status != lib.IA_OK:
-                raise self._bad_pointer("record_stream", address, status)
+                raise self._bad_pointer(op, address, status)
 
     def release_cached(self) -> int:
         """Growable arenas: gives fully free regions back to the backend; returns the bytes."""

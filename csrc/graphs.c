@@ -364,15 +364,8 @@ static void carve_release(ia_backend_t *self, void *base, size_t size) {
   ia_arena_free(carve(self)->parent, base, IA_STREAM_NONE);
 }
 
-#define CARVE_FORWARD(name, ret, params, args) \
-  static ret carve_##name params { return carve(self)->events->name args; }
-CARVE_FORWARD(event_create, ia_status_t, (ia_backend_t * self, void **ev), (carve(self)->events, ev))
-CARVE_FORWARD(event_destroy, void, (ia_backend_t * self, void *ev), (carve(self)->events, ev))
-CARVE_FORWARD(event_record, ia_status_t, (ia_backend_t * self, void *ev, ia_stream_t s), (carve(self)->events, ev, s))
-CARVE_FORWARD(event_done, bool, (ia_backend_t * self, void *ev), (carve(self)->events, ev))
-CARVE_FORWARD(stream_wait, ia_status_t, (ia_backend_t * self, ia_stream_t s, void *ev), (carve(self)->events, s, ev))
-CARVE_FORWARD(stream_capturing, bool, (ia_backend_t * self, ia_stream_t s), (carve(self)->events, s))
-#undef CARVE_FORWARD
+static ia_backend_t *carve_events(ia_backend_t *self) { return carve(self)->events; }
+IA_FORWARD_EVENTS(carve, carve_events)
 
 static void carve_destroy(ia_backend_t *self) {
   ia_backend_destroy(carve(self)->events);

@@ -131,16 +131,11 @@ static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
   return st;
 }
 
-#define FORWARD(name, ret, params, args)                                                            \
-  static ret guard_##name params { return guard(self)->inner->name args; }
-FORWARD(release, void, (ia_backend_t * self, void *base, size_t size), (guard(self)->inner, base, size))
-FORWARD(event_create, ia_status_t, (ia_backend_t * self, void **ev), (guard(self)->inner, ev))
-FORWARD(event_destroy, void, (ia_backend_t * self, void *ev), (guard(self)->inner, ev))
-FORWARD(event_record, ia_status_t, (ia_backend_t * self, void *ev, ia_stream_t s), (guard(self)->inner, ev, s))
-FORWARD(event_done, bool, (ia_backend_t * self, void *ev), (guard(self)->inner, ev))
-FORWARD(stream_wait, ia_status_t, (ia_backend_t * self, ia_stream_t s, void *ev), (guard(self)->inner, s, ev))
-FORWARD(stream_capturing, bool, (ia_backend_t * self, ia_stream_t s), (guard(self)->inner, s))
-#undef FORWARD
+static ia_backend_t *guard_inner(ia_backend_t *self) { return guard(self)->inner; }
+static void guard_release(ia_backend_t *self, void *base, size_t size) {
+  guard_inner(self)->release(guard_inner(self), base, size);
+}
+IA_FORWARD_EVENTS(guard, guard_inner)
 
 static void guard_destroy(ia_backend_t *self) {
   guard_backend_t *g = guard(self);

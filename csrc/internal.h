@@ -41,6 +41,24 @@ struct ia_backend {
   bool (*stream_capturing)(ia_backend_t *self, ia_stream_t stream);
 };
 
+/* A backend that wraps another hands it every event and stream operation: defines
+ * prefix_event_create ... prefix_stream_capturing, each calling the same operation of inner(self). */
+#define IA_FORWARD_EVENTS(prefix, inner)                                                               \
+  static ia_status_t prefix##_event_create(ia_backend_t *self, void **ev) {                           \
+    return inner(self)->event_create(inner(self), ev);                                                 \
+  }                                                                                                    \
+  static void prefix##_event_destroy(ia_backend_t *self, void *ev) { inner(self)->event_destroy(inner(self), ev); } \
+  static ia_status_t prefix##_event_record(ia_backend_t *self, void *ev, ia_stream_t s) {             \
+    return inner(self)->event_record(inner(self), ev, s);                                              \
+  }                                                                                                    \
+  static bool prefix##_event_done(ia_backend_t *self, void *ev) { return inner(self)->event_done(inner(self), ev); } \
+  static ia_status_t prefix##_stream_wait(ia_backend_t *self, ia_stream_t s, void *ev) {              \
+    return inner(self)->stream_wait(inner(self), s, ev);                                               \
+  }                                                                                                    \
+  static bool prefix##_stream_capturing(ia_backend_t *self, ia_stream_t s) {                          \
+    return inner(self)->stream_capturing(inner(self), s);                                              \
+  }
+
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
