@@ -85,15 +85,19 @@ static graph_pool_t *find_or_create(struct device_graphs *g, int device, ia_pool
   return p;
 }
 
+/* The body runs once for every arena `a` of pool `p`, of kind `k` (one per stream and kind). */
+#define FOR_EACH_ARENA(p, k, a)                                                                    \
+  for (size_t stream_ = 0; stream_ < (p)->n_streams; stream_++)                                    \
+    for (int k = 0; k < GRAPH_KINDS; k++)                                                          \
+      for (ia_arena_t *a = (p)->streams[stream_].arenas[k]; a; a = NULL)
+
 static uint64_t pool_capacity(const graph_pool_t *p) {
   uint64_t total = 0;
-  for (size_t i = 0; i < p->n_streams; i++)
-    for (int k = 0; k < GRAPH_KINDS; k++)
-      if (p->streams[i].arenas[k]) {
-        ia_stats_t s;
-        ia_arena_stats(p->streams[i].arenas[k], &s);
-        total += s.capacity;
-      }
+  FOR_EACH_ARENA(p, k, a) {
+    ia_stats_t s;
+    ia_arena_stats(a, &s);
+    total += s.capacity;
+  }
   return total;
 }
 
@@ -101,15 +105,12 @@ static uint64_t pool_capacity(const graph_pool_t *p) {
 static void trim_released(struct device_graphs *g, graph_pool_t *p) {
   if (p->use_count > 0 || p->allocating > 0) return;
   if (atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return;
-  for (size_t i = 0; i < p->n_streams; i++)
-    for (int k = 0; k < GRAPH_KINDS; k++)
-      if (p->streams[i].arenas[k]) ia_arena_release_cached(p->streams[i].arenas[k]);
+  FOR_EACH_ARENA(p, k, a) ia_arena_release_cached(a);
   if (pool_capacity(p)) return;
   graph_pool_t **link = &g->pools;
   while (*link != p) link = &(*link)->next;
   *link = p->next;
-  for (size_t i = 0; i < p->n_streams; i++)
-    for (int k = 0; k < GRAPH_KINDS; k++) ia_arena_destroy(p->streams[i].arenas[k]);
+  FOR_EACH_ARENA(p, k, a) ia_arena_destroy(a);
   free(p->streams);
   free(p);
 }
@@ -271,14 +272,11 @@ size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t
   size_t n = 0;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
-  for (size_t i = 0; p && i < p->n_streams; i++)
-    for (int k = 0; k < GRAPH_KINDS; k++) {
-      ia_arena_t *a = p->streams[i].arenas[k];
-      if (!a) continue;
-      size_t count = ia_arena_blocks(a, NULL, 0);
-      if (n + count <= cap) ia_arena_blocks(a, out + n, count);
-      n += count;
-    }
+  if (p) FOR_EACH_ARENA(p, k, a) {
+    size_t count = ia_arena_blocks(a, NULL, 0);
+    if (n + count <= cap) ia_arena_blocks(a, out + n, count);
+    n += count;
+  }
   pthread_mutex_unlock(&g->lock);
   return n;
 }
@@ -292,21 +290,18 @@ ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t 
   /* Everything live in the pool is freed, then the checkpoint's live blocks are made again at
    * their addresses; the checkpoint's regions are all still held, since a pool in use gives
    * nothing back. */
-  for (size_t i = 0; p && i < p->n_streams; i++)
-    for (int k = 0; k < GRAPH_KINDS; k++) {
-      ia_arena_t *a = p->streams[i].arenas[k];
-      if (!a) continue;
-      size_t count = ia_arena_blocks(a, NULL, 0);
-      ia_block_info_t *live = calloc(count + 1, sizeof *live);
-      if (!live) {
-        st = IA_ERR_NO_HOST_MEMORY;
-        continue;
-      }
-      count = ia_arena_blocks(a, live, count);
-      for (size_t j = 0; j < count; j++)
-        if (!live[j].is_free) ia_arena_free(a, (void *)live[j].address, IA_STREAM_NONE);
-      free(live);
+  if (p) FOR_EACH_ARENA(p, k, a) {
+    size_t count = ia_arena_blocks(a, NULL, 0);
+    ia_block_info_t *live = calloc(count + 1, sizeof *live);
+    if (!live) {
+      st = IA_ERR_NO_HOST_MEMORY;
+      continue;
     }
+    count = ia_arena_blocks(a, live, count);
+    for (size_t j = 0; j < count; j++)
+      if (!live[j].is_free) ia_arena_free(a, (void *)live[j].address, IA_STREAM_NONE);
+    free(live);
+  }
   for (size_t j = 0; st == IA_OK && j < n; j++) {
     if (blocks[j].is_free) continue;
     const _ia_owner_t *owner = NULL;
@@ -328,15 +323,13 @@ size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap) {
     if (n >= cap) continue;
     ia_graph_pool_info_t info = {.first = p->id.first, .second = p->id.second, .use_count = p->use_count,
                                  .allocating = p->allocating, .streams = (uint32_t)p->n_streams};
-    for (size_t i = 0; i < p->n_streams; i++)
-      for (int k = 0; k < GRAPH_KINDS; k++) {
-        if (!p->streams[i].arenas[k]) continue;
-        ia_stats_t s;
-        ia_arena_stats(p->streams[i].arenas[k], &s);
-        info.capacity += s.capacity;
-        info.in_use += s.in_use;
-        if (k == GRAPH_WORKSPACE) info.workspace += s.capacity;
-      }
+    FOR_EACH_ARENA(p, k, a) {
+      ia_stats_t s;
+      ia_arena_stats(a, &s);
+      info.capacity += s.capacity;
+      info.in_use += s.in_use;
+      if (k == GRAPH_WORKSPACE) info.workspace += s.capacity;
+    }
     out[n] = info;
   }
   pthread_mutex_unlock(&g->lock);
@@ -406,9 +399,9 @@ bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len) {
   if (!g) return true;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
-  for (size_t i = 0; p && ok && i < p->n_streams; i++)
-    for (int k = 0; ok && k < GRAPH_KINDS; k++)
-      if (p->streams[i].arenas[k]) ok = ia_arena_check(p->streams[i].arenas[k], msg, msg_len);
+  if (p) FOR_EACH_ARENA(p, k, a) {
+    if (ok) ok = ia_arena_check(a, msg, msg_len); /* the first broken invariant's message stays */
+  }
   pthread_mutex_unlock(&g->lock);
   return ok;
 }
@@ -418,10 +411,7 @@ void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int
   struct device_graphs *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
-  for (graph_pool_t *p = g->pools; p; p = p->next)
-    for (size_t i = 0; i < p->n_streams; i++)
-      for (int k = 0; k < GRAPH_KINDS; k++)
-        if (p->streams[i].arenas[k]) fn(ctx, p->id, k, p->streams[i].arenas[k]);
+  for (graph_pool_t *p = g->pools; p; p = p->next) FOR_EACH_ARENA(p, k, a) fn(ctx, p->id, k, a);
   pthread_mutex_unlock(&g->lock);
 }
 
