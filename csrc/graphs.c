@@ -157,10 +157,7 @@ ia_status_t ia_graph_end(int device, ia_pool_id_t id) {
     if (any) h = g->held[--g->n_held];
     pthread_mutex_unlock(&g->lock);
     if (!any) break;
-    graph_pool_t *pool = h.owner->graph_pool; /* read while the block keeps the pool alive */
-    ia_status_t fst = ia_arena_free(h.arena, h.ptr, IA_STREAM_NONE);
-    if (fst != IA_OK) fprintf(stderr, "indexer-arena: held free(%p) refused: %s\n", h.ptr, ia_status_str(fst));
-    if (pool) _ia_graph_freed(device, pool);
+    _ia_free_owned(h.arena, h.owner, h.ptr);
   }
   _ia_graph_flush_arenas(device);
   return IA_OK;
@@ -243,10 +240,18 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   return held;
 }
 
-void _ia_graph_freed(int device, graph_pool_t *pool) {
+void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr) {
+  /* The owner lives in the graph pool, which may go once this block is free: read it first. */
+  int device = owner->device;
+  graph_pool_t *pool = owner->graph_pool;
+  ia_status_t st = ia_arena_free(arena, ptr, IA_STREAM_NONE);
+  /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
+  if (st != IA_OK) fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(st));
+  if (st != IA_OK || !pool) return;
   struct device_graphs *g = graphs_of(device);
   pthread_mutex_lock(&g->lock);
-  /* Another thread's free may have emptied the pool and removed it since this block's free. */
+  /* Another thread's free may have emptied the pool and removed it since this block's free, so
+   * the pool is compared, not followed, until found among the device's pools. */
   graph_pool_t *p = g->pools;
   while (p && p != pool) p = p->next;
   if (p) trim_released(g, p);

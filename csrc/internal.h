@@ -117,9 +117,9 @@ bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
 /* A free the plugin must hold back until no stream of the device captures; true when held. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
-/* After a free into one of the pool's arenas: a released pool gives back what came free. `pool`
- * is compared, not followed, until found among the device's pools. */
-void _ia_graph_freed(int device, graph_pool_t *pool);
+/* Frees a live block of `arena` on its own stream, saying on stderr when that is refused; a released
+ * graph pool then gives back what came free. */
+void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
 void _ia_graph_flush_arenas(int device);
 void _ia_graph_pools_flush_events(int device);
 void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);

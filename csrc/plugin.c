@@ -451,17 +451,14 @@ void ia_torch_free(void *ptr) {
   if (!ptr) return;
   const _ia_owner_t *owner = NULL;
   ia_arena_t *arena = _ia_registry_find(ptr, &owner);
-  ia_status_t st = IA_ERR_FOREIGN_POINTER;
-  if (arena && atomic_load_explicit(&plugin.devices[owner->device].totals.captures, memory_order_relaxed) &&
+  if (!arena) {
+    fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(IA_ERR_FOREIGN_POINTER));
+    return;
+  }
+  if (atomic_load_explicit(&plugin.devices[owner->device].totals.captures, memory_order_relaxed) &&
       _ia_graph_defer_free(owner->device, arena, owner, ptr))
     return;
-  /* The owner lives in the graph pool, which may go once this block is free: read it first. */
-  int device = arena ? owner->device : -1;
-  graph_pool_t *pool = arena ? owner->graph_pool : NULL;
-  if (arena) st = ia_arena_free(arena, ptr, IA_STREAM_NONE);
-  if (st == IA_OK && pool) _ia_graph_freed(device, pool);
-  /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
-  if (st != IA_OK) fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(st));
+  _ia_free_owned(arena, owner, ptr);
 }
 
 void ia_torch_record_stream(void *ptr, void *stream) {
