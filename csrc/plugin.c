@@ -337,6 +337,16 @@ static uint64_t graph_pools_held(int device, const ia_pool_id_t *id) {
   return held;
 }
 
+/* Why a growable arena of the device could not grow, as a sentence that follows another. */
+static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
+  if (st == IA_ERR_LIMIT)
+    snprintf(buf, len, " The pools may hold at most %.0f MiB here (torch.cuda.set_per_process_memory_fraction).",
+             (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
+  else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(buf, len, " %s.", ia_guard_last_message());
+  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(buf, len, " %s.", ia_cuda_last_error());
+  else snprintf(buf, len, " %s.", ia_status_str(st));
+}
+
 __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t size, ia_status_t st) {
   char message[2048], req[32], state[256], hint[512], budget[32], graphs[32];
   _ia_format_bytes(size, req, sizeof req);
@@ -355,14 +365,8 @@ __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t si
              "INDEXER_ARENA_CONF (or VLLM_SPARSE_INDEXER_MAX_LOGITS_MB), or plan smaller pieces.%s",
              device, req, size, _ia_format_bytes(plugin.config.budget, budget, sizeof budget), state, hint);
   } else {
-    char why[640] = "";
-    if (st == IA_ERR_LIMIT)
-      snprintf(why, sizeof why, " The pools may hold at most %.0f MiB here "
-               "(torch.cuda.set_per_process_memory_fraction).",
-               (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
-    else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(why, sizeof why, " %s.", ia_guard_last_message());
-    else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(why, sizeof why, " %s.", ia_cuda_last_error());
-    else snprintf(why, sizeof why, " %s.", ia_status_str(st));
+    char why[640];
+    growth_refusal(st, device, why, sizeof why);
     snprintf(message, sizeof message,
              "CUDA out of memory on device %d: request of %s (%zu bytes) for the general %s pool "
              "(it %s; the workspace arena holds a further %s, CUDA graph pools %s).%s Free tensors or "
@@ -380,14 +384,9 @@ __attribute__((noinline)) static void fail_graph_alloc(int device, ia_pool_id_t 
                                                        ia_status_t st) {
   char message[2048], req[32], held[32], budget[32], state[256] = "", why[640], hint[512];
   _ia_format_bytes(size, req, sizeof req);
-  if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(why, sizeof why, " %s.", ia_guard_last_message());
-  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(why, sizeof why, " %s.", ia_cuda_last_error());
-  else if (st == IA_ERR_LIMIT) snprintf(why, sizeof why, " The pools may hold at most %.0f MiB here "
-                                        "(torch.cuda.set_per_process_memory_fraction).",
-                                        (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
-  else if (st == IA_ERR_INVALID_ARGUMENT) snprintf(why, sizeof why, " %.600s.", failure[0] ? failure :
-                                                   "PyTorch is not allocating to that pool now");
-  else why[0] = '\0';
+  if (st == IA_ERR_INVALID_ARGUMENT) snprintf(why, sizeof why, " %.600s.", failure[0] ? failure :
+                                              "PyTorch is not allocating to that pool now");
+  else growth_refusal(st, device, why, sizeof why);
   report_hint(hint, sizeof hint);
   if (kind == GRAPH_WORKSPACE) {
     ia_arena_t *ws = ia_plugin_arena(device, IA_POOL_WORKSPACE);
