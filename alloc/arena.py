@@ -11,14 +11,10 @@ from typing import Literal
 
 from ._core import ffi, lib
 from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
-from .units import fmt_bytes
+from .units import MAX_SIZE, U64_MAX, fmt_bytes
 
-STREAM_NONE = (1 << 64) - 1
+STREAM_NONE = U64_MAX
 """Stream value of memory no stream has touched yet."""
-
-U64_MAX = (1 << 64) - 1
-MAX_SIZE = 1 << 62
-"""The largest capacity, region or request the C core takes."""
 
 
 def _checked(name: str, value, low: int, high: int) -> int:
@@ -172,7 +168,7 @@ class Arena:
         opts.growable = growable
         opts.region_min = region_min
         opts.region_round = region_round
-        opts.region_exact_above = region_exact_above if region_exact_above is not None else (1 << 64) - 1
+        opts.region_exact_above = region_exact_above if region_exact_above is not None else U64_MAX
         opts.limit = limit
         out = ffi.new("ia_arena_t **")
         status = lib.ia_arena_create(opts, self._backend, out)  # takes the backend, even on failure

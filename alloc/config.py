@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .units import MAX_SIZE
 
 ENV_VAR = "INDEXER_ARENA_CONF"
 VLLM_BUDGET_VAR = "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"
@@ -33,8 +34,7 @@ def _path(text: str) -> str:
     return text
 
 
-# The C core serves no request above 2**62 bytes; MiB counts stay below that in bytes.
-MAX_MIB = 1 << 42
+MAX_MIB = MAX_SIZE >> 20  # MiB counts whose bytes the core can take
 
 
 def _whole_number(text: str) -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from .arena import STREAM_NONE
 from .trace import Event
+from .units import is_count
 
 RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 EXTRA_COLUMNS = ("Device", "Pool")
@@ -406,13 +407,6 @@ def load_snapshot(path: str | os.PathLike, *, data: bytes | None = None) -> dict
     return snapshot
 
 
-U64_MAX = (1 << 64) - 1
-
-
-def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
-
-
 def _fields(path: str, where: str, item, required: dict, optional: dict) -> None:
     """`item` must be a dict whose required keys (and optional ones, when present) pass their checks;
     a check is (test, what it expects)."""
@@ -423,7 +417,7 @@ def _fields(path: str, where: str, item, required: dict, optional: dict) -> None
             raise TraceFormatError(path, f"{where}.{key}", f"expected {expected}, found {item.get(key)!r}")
 
 
-COUNT = (_count, "an integer from 0 to 2**64 - 1")
+COUNT = (is_count, "an integer from 0 to 2**64 - 1")
 TEXT = (lambda v: isinstance(v, str), "a string")
 NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e30,
           "a non-negative number")

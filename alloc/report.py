@@ -36,7 +36,7 @@ from .arena import STAT_NAMES, Arena
 from .errors import ArenaError
 from .plugin import POOLS
 from .trace import Event
-from .units import fmt_bytes, output_width
+from .units import fmt_bytes, is_count, output_width
 
 REPORT_FORMAT = "indexer-arena-report-1"
 MAX_DEVICES = 64  # the C core's per-device table (csrc/plugin.c)
@@ -149,14 +149,6 @@ def report_from_snapshot(snapshot: dict) -> dict:
                         for d, pools in sorted(devices.items())]}
 
 
-U64_MAX = (1 << 64) - 1
-
-
-def _count(value) -> bool:
-    """A byte count or counter as the core writes it: an int from 0 to 2**64 - 1."""
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
-
-
 def check_report(report: object, path: str = "<report>") -> dict:
     """Checks the structure of a report read from a file; raises ReportError naming what is wrong.
     Every field the summaries read is checked here, so nothing after this meets a bad value."""
@@ -168,12 +160,12 @@ def check_report(report: object, path: str = "<report>") -> dict:
     if report.get("format") != REPORT_FORMAT:
         raise bad(f"not an indexer-arena memory report (format {report.get('format')!r}, expected "
                   f"{REPORT_FORMAT!r})")
-    if not _count(report.setdefault("budget", 0)):
+    if not is_count(report.setdefault("budget", 0)):
         raise bad(f"'budget': expected a byte count (an integer from 0 to 2**64 - 1), found {report['budget']!r}")
     if not isinstance(report.get("devices"), list):
         raise bad("'devices' missing or not a list")
     for i, dev in enumerate(report["devices"]):
-        if not isinstance(dev, dict) or not _count(dev.get("device")) or not isinstance(dev.get("pools"), list) \
+        if not isinstance(dev, dict) or not is_count(dev.get("device")) or not isinstance(dev.get("pools"), list) \
                 or not isinstance(dev.setdefault("unified", False), bool):
             raise bad(f"devices[{i}]: expected {{'device': int, 'unified': bool, 'pools': [...]}}")
         for j, pool in enumerate(dev["pools"]):
@@ -182,7 +174,7 @@ def check_report(report: object, path: str = "<report>") -> dict:
                     or not isinstance(pool.setdefault("blocks", []), list):
                 raise bad(f"{where}: expected {{'pool': name, 'stats': {{...}}, 'blocks': [...]}}")
             for k, block in enumerate(pool["blocks"]):
-                if not (isinstance(block, list) and len(block) == 6 and all(map(_count, block))):
+                if not (isinstance(block, list) and len(block) == 6 and all(map(is_count, block))):
                     raise bad(f"{where}.blocks[{k}]: expected [region_base, offset, size, requested, "
                               f"used, stream] (integers from 0 to 2**64 - 1), found {block!r}")
             stats = pool.get("stats")
@@ -193,7 +185,7 @@ def check_report(report: object, path: str = "<report>") -> dict:
                 raise bad(f"{where}.stats: expected an object of the arena's statistics, found {stats!r}")
             for name, value in stats.items():
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 \
-                    if name == "fragmentation" else _count(value)
+                    if name == "fragmentation" else is_count(value)
                 if name in STAT_NAMES and not ok:
                     raise bad(f"{where}.stats.{name}: expected "
                               f"{'a fraction from 0 to 1' if name == 'fragmentation' else 'a count from 0 to 2**64 - 1'}, "

@@ -1,7 +1,16 @@
-"""Byte counts for people."""
+"""Byte counts: for people, and the bounds the C core holds them to."""
 
 MiB = 1 << 20
 GiB = 1 << 30
+U64_MAX = (1 << 64) - 1
+"""The largest size, address or stream a C uint64_t, size_t or pointer holds here."""
+MAX_SIZE = 1 << 62
+"""The largest capacity, region or request the C core takes (MAX_REQUEST in csrc/arena.c)."""
+
+
+def is_count(value) -> bool:
+    """A byte count or counter as the core holds one: an int (not a bool) from 0 to U64_MAX."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
 
 
 def fmt_bytes(n: float) -> str:
