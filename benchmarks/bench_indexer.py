@@ -56,10 +56,13 @@ def parse_args(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
     p.add_argument("--no-arena-run", action="store_true",
                    help="do not re-run the prefill with the arena installed")
+    p.add_argument("--prefill-rounds", type=int, default=2,
+                   help="prefill passes of each allocator, alternated: this process (PyTorch's "
+                   "allocator), then a fresh process with the arena installed (default 2)")
     p.add_argument("--arena", action="store_true",
                    help="install the alloc arena first (used by the child run)")
     p.add_argument("--logits-config", help="fp8 H=64 D=128 logits config: BLOCK_M,BLOCK_N,"
-                   "warps,stages (portable kernel) or wgmma:stages,consumers (sm_90 kernel)")
+                   "warps,stages (portable kernel) or wgmma:stages,consumers,linear_terms (sm_90 kernel)")
     p.add_argument("--topk-config", help="top-k config as comma-separated field=value pairs of "
                    "TopkConfig (block, collect_block, cand, chunk, runs, run, z, stages, "
                    "num_warps, programs_per_sm); fields left out keep the default for k")
@@ -311,7 +314,9 @@ class Bench:
                 paths=topk_mod.path_counts(path))
         self.results["topk"] = res
 
-    def prefill(self, arena_installed: bool):
+    def prefill(self, arena_installed: bool, record: bool = True):
+        """One prefill measurement; later rounds (record False) add their wall to the first
+        round's entry and print no rows."""
         smoke = self.smoke
         prompt = 240 if smoke else ARGS.prompt
         chunk = 100 if smoke else ARGS.chunk
@@ -400,12 +405,22 @@ class Bench:
         del buf, calls
         other = wall - kernels_s
         tag = "prefill arena" if arena_installed else "prefill"
+        key = "prefill_arena" if arena_installed else "prefill"
+        if not record:
+            self.results[key]["round_walls_s"].append(wall)
+            return
         res = dict(prompt=prompt, chunk=chunk, compress_ratio=ratio, budget_bytes=budget,
                    dtype=dtype_name(dtype), wall_s=wall, walls_s=walls,
                    instrumented_wall_s=wall_timed, logits_s=stats.logits_s,
                    topk_s=stats.topk_s, kernels_s=kernels_s, else_s=other,
                    else_fraction=other / wall, host_per_call_s=host_per_call,
                    pieces=stats.pieces, max_piece_bytes=stats.max_piece_bytes,
+                   round_walls_s=[wall],
+                   # What the pieces ran: a comparison across processes means nothing unless
+                   # both ran the same kernels.
+                   logits_config=repr(logits_mod.default_config(dtype, h, d,
+                                                                device=self.device.type)),
+                   topk_config=topk_name(tcfg or topk_mod.default_config(k, self.device.type)),
                    arena_installed=arena_installed, memory_before=mem0, memory_after=mem1)
         self.row(tag, f"{prompt} tokens / {chunk}: wall", wall * 1e3, "ms")
         self.row(tag, "logits (events)", stats.logits_s * 1e3, "ms", "of wall",
@@ -427,7 +442,22 @@ class Bench:
             self.row(tag, "peak reserved over the 1st pass",
                      (mem1["peak_reserved"] - mem0["reserved"]) / 2**20, "MiB")
             res["device_memory_taken_mib"] = taken
-        self.results["prefill_arena" if arena_installed else "prefill"] = res
+        self.results[key] = res
+
+    def compare_prefill(self):
+        """The goal across the alternated rounds: the prefill is no slower with the arena."""
+        base, arena = self.results.get("prefill"), self.results.get("prefill_arena")
+        if not (isinstance(arena, dict) and "round_walls_s" in arena):
+            return
+        for field in ("logits_config", "topk_config"):
+            if base[field] != arena[field]:
+                self.row("prefill arena", f"{field}: {arena[field]} vs {base[field]}", 0, "",
+                         "prefill", None, "same kernels", False)
+                return
+        ratio = statistics.median(arena["round_walls_s"]) / statistics.median(base["round_walls_s"])
+        self.results["prefill_wall_ratio"] = ratio
+        self.row("prefill arena", f"wall / PyTorch's, {len(base['round_walls_s'])} rounds alternated",
+                 ratio, "x", "prefill", ratio, "<= 1.01 (noise)", ratio <= 1.01)
 
 
 def reset_memory(arena_installed: bool, smoke: bool) -> None:
@@ -505,7 +535,7 @@ def topk_config_text(cfg: TopkConfig) -> str:
 
 def logits_config_text(cfg) -> str:
     if isinstance(cfg, HopperConfig):
-        return f"wgmma:{cfg.stages},{cfg.consumers}"
+        return f"wgmma:{cfg.stages},{cfg.consumers},{cfg.linear_terms}"
     return f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
 
 
@@ -582,9 +612,13 @@ def main():
     if "topk" in only:
         b.topk()
     if "prefill" in only:
-        b.prefill(arena_installed=bool(args.arena))
-        if not (args.arena or args.no_arena_run or args.smoke):
-            child_run(b)
+        both = not (args.arena or args.no_arena_run or args.smoke)
+        # A B A B: clocks and the order of the passes must not decide the comparison.
+        for r in range(args.prefill_rounds if both else 1):
+            b.prefill(arena_installed=bool(args.arena), record=r == 0)
+            if both:
+                child_run(b, record=r == 0)
+        b.compare_prefill()
     print_table(b.rows)
     if args.json:
         b.results["table"] = b.rows
@@ -592,7 +626,7 @@ def main():
         print(f"\nwrote {args.json}")
 
 
-def child_run(b: Bench) -> None:
+def child_run(b: Bench, record: bool = True) -> None:
     """The prefill again in a fresh process whose allocator is the arena (installing it must
     precede CUDA's initialisation, which this process is long past)."""
     if not alloc_importable():
@@ -615,7 +649,11 @@ def child_run(b: Bench) -> None:
         return
     child = json.loads(Path(path).read_text())
     os.unlink(path)
-    b.results["prefill_arena"] = child.get("prefill_arena")
+    result = child.get("prefill_arena")
+    if not record:
+        b.results["prefill_arena"]["round_walls_s"].append(result["wall_s"])
+        return
+    b.results["prefill_arena"] = result
     b.rows.extend(r for r in child.get("table", []) if r["section"] == "prefill arena")
 
 

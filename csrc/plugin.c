@@ -402,7 +402,7 @@ __attribute__((noinline)) static void fail_graph_alloc(int device, ia_pool_id_t 
     snprintf(message, sizeof message,
              "CUDA out of memory on device %d: request of %s (%zu bytes) for CUDA graph pool (%" PRIu64 ", %" PRIu64
              "), which holds %s.%s A graph keeps what it allocates during capture until it is released: free "
-             "eager tensors (torch.cuda.empty_cache()) before capturing, or lower budget_mb in "
+             "eager tensors and call torch.cuda.empty_cache() before capturing, or lower budget_mb in "
              "INDEXER_ARENA_CONF.%s",
              device, req, size, id.first, id.second,
              _ia_format_bytes(graph_pools_held(device, &id), held, sizeof held), why, hint);

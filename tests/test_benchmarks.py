@@ -55,6 +55,19 @@ def test_bench_indexer_topk_config_text_round_trips():
             bench.parse_topk_config(bad, 2048)
 
 
+def test_bench_indexer_logits_config_text_round_trips():
+    """The arena run's process gets the parent's logits config as text: every field must come
+    back (a dropped linear_terms once made that process run a slower kernel than the parent)."""
+    pytest.importorskip("triton")
+    bench = _bench_module("bench_indexer")
+    configs = [bench.HopperConfig(stages, consumers, linear)
+               for stages in (2, 4, 6) for consumers in (2, 3) for linear in range(5)]
+    configs += [bench.LogitsConfig(64, 128, 4, 3), bench.LogitsConfig(32, 64, 8, 2)]
+    for cfg in configs:
+        back = bench.parse_logits_config(bench.logits_config_text(cfg))
+        assert type(back) is type(cfg) and back == cfg and repr(back) == repr(cfg)
+
+
 def _bench_clocks():
     pytest.importorskip("rich")
     return _bench_module("bench_clocks")

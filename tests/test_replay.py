@@ -185,7 +185,8 @@ def test_worker_command_chooses_the_allocator_before_torch_loads(name, conf, mon
 @pytest.mark.gpu
 def test_gpu_side_by_side(tmp_path):
     """Growing workspace pieces (the seed workload's shape, smaller): PyTorch's default allocator
-    caches one segment per size, the arena holds its budget, nothing fails anywhere."""
+    keeps the segments it can no longer reuse, so it holds several times the largest piece; the
+    arena holds its budget; nothing fails anywhere."""
     sizes = [(i + 1) * 4 * MiB for i in range(12)]
     events, t = [], 0
     for i, size in enumerate(sizes):
@@ -201,7 +202,9 @@ def test_gpu_side_by_side(tmp_path):
     assert set(results) == {"default", "expandable", "cuda-async", "arena", "host"}
     for r in results.values():
         assert r["failures"] == 0 and r["ops"] == len(events)
-    assert results["default"]["peak_reserved_bytes"] >= sum(sizes) * 0.9
+    # How many segments PyTorch keeps depends on its splitting rules (a 4 MiB piece gets a 20 MiB
+    # segment that also serves the next ones); that it keeps several does not.
+    assert results["default"]["peak_reserved_bytes"] >= 3 * max(sizes)
     assert results["arena"]["peak_reserved_bytes"] < 64 * MiB + 64 * MiB  # budget + general pools
     assert results["default"]["peak_bytes"] > 2 * results["arena"]["peak_bytes"]
 
