@@ -447,7 +447,7 @@ class Bench:
     def compare_prefill(self):
         """The goal across the alternated rounds: the prefill is no slower with the arena."""
         base, arena = self.results.get("prefill"), self.results.get("prefill_arena")
-        if not (isinstance(arena, dict) and "round_walls_s" in arena):
+        if not all(isinstance(r, dict) and "round_walls_s" in r for r in (base, arena)):
             return
         for field in ("logits_config", "topk_config"):
             if base[field] != arena[field]:

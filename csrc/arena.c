@@ -341,10 +341,32 @@ static region_t *region_of(const ia_arena_t *a, uintptr_t p) {
   return NULL;
 }
 
+/* A reservation whose base is a multiple of `align`. A backend may promise less than an arena
+ * asks (cudaMalloc promises 256 bytes; the general pools align to 512) and still return more, so
+ * the exact size is asked first, and padded only when the base turns out unaligned: padding
+ * every reservation would cost a whole 2 MiB page of device memory each, as the driver rounds
+ * sizes up to its pages. */
+static ia_status_t reserve_aligned(ia_arena_t *a, size_t size, size_t align, void **raw, size_t *raw_size) {
+  a->stats.backend_reserves++;
+  ia_status_t st = a->backend->reserve(a->backend, size, raw);
+  if (st == IA_OK && ((uintptr_t)*raw & (align - 1)) == 0) {
+    *raw_size = size;
+    return IA_OK;
+  }
+  if (st == IA_OK) {
+    a->backend->release(a->backend, *raw, size);
+    a->stats.backend_releases++;
+    a->stats.backend_reserves++;
+    st = a->backend->reserve(a->backend, size + align, raw);
+    *raw_size = size + align;
+  }
+  if (st != IA_OK) a->stats.backend_failures++;
+  return st;
+}
+
 static ia_status_t region_add(ia_arena_t *a, size_t size) {
   size_t align = a->opts.alignment;
-  size_t slack = align > a->backend->natural_alignment ? align : 0;
-  if (size > SIZE_MAX - slack) return IA_ERR_BACKEND_OUT_OF_MEMORY;
+  if (size > SIZE_MAX - align) return IA_ERR_BACKEND_OUT_OF_MEMORY;
   region_t *r = calloc(1, sizeof *r);
   block_t *b = block_new(a);
   if (!r || !b) {
@@ -352,15 +374,12 @@ static ia_status_t region_add(ia_arena_t *a, size_t size) {
     if (b) block_delete(a, b);
     return IA_ERR_NO_HOST_MEMORY;
   }
-  a->stats.backend_reserves++;
-  ia_status_t st = a->backend->reserve(a->backend, size + slack, &r->raw);
+  ia_status_t st = reserve_aligned(a, size, align, &r->raw, &r->raw_size);
   if (st != IA_OK) {
-    a->stats.backend_failures++;
     free(r);
     block_delete(a, b);
     return st;
   }
-  r->raw_size = size + slack;
   r->base = _ia_align_up((uintptr_t)r->raw, align);
   r->size = size;
   r->first = b;

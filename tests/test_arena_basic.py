@@ -55,6 +55,25 @@ def test_alignment_choices(alignment):
         a.check()
 
 
+@pytest.mark.parametrize("alignment", [1 << 16, 1 << 21])
+def test_alignment_beyond_the_backends_promise(alignment):
+    """The host backend promises page alignment: larger alignments are reached by asking for the
+    exact size and, when its base is off, once more with padding. Every region is aligned, and
+    every reservation asked for is either held or given back."""
+    with Arena(0, alignment=alignment, growable=True, region_min=2 * MiB, region_round=2 * MiB) as a:
+        ptrs = [a.allocate(s) for s in (1, 3 * MiB, 5 * MiB, alignment + 1)]
+        assert all(p % alignment == 0 for p in ptrs)
+        assert all(r.base % alignment == 0 for r in a.regions())
+        s = a.stats()
+        assert s["backend_reserves"] - s["backend_releases"] == s["regions"] == len(a.regions())
+        for p in ptrs:
+            a.free(p)
+        a.release_cached()
+        s = a.stats()
+        assert s["regions"] == 0 and s["backend_reserves"] == s["backend_releases"]
+        a.check()
+
+
 @pytest.mark.parametrize("alignment", [0, 8, 24, 100, -256])
 def test_bad_alignment_is_refused(alignment):
     with pytest.raises(ValueError, match="power of two"):

@@ -68,6 +68,31 @@ def test_bench_indexer_logits_config_text_round_trips():
         assert type(back) is type(cfg) and back == cfg and repr(back) == repr(cfg)
 
 
+def test_bench_indexer_compares_prefills_only_when_both_ran_the_same_kernels():
+    """The arena-vs-default goal: medians over the alternated rounds; refused (not met) when the
+    two processes ran different kernels; skipped where only one side ran (the child's own run)."""
+    pytest.importorskip("triton")
+    import types
+    bench = _bench_module("bench_indexer")
+
+    def compare(results):
+        rows = []
+        fake = types.SimpleNamespace(results=results, row=lambda *a, **k: rows.append((a, k)))
+        bench.Bench.compare_prefill(fake)
+        return rows
+
+    same = dict(logits_config="wgmma 64x384 s6 linear3", topk_config="t")
+    assert compare({"prefill_arena": dict(same, round_walls_s=[1.0])}) == []
+    rows = compare({"prefill": dict(same, round_walls_s=[1.0, 1.2, 1.1]),
+                    "prefill_arena": dict(same, round_walls_s=[1.05, 1.3, 1.1])})
+    (args, kwargs), = rows
+    assert args[2] == pytest.approx(1.1 / 1.1) and args[-1] is True
+    rows = compare({"prefill": dict(same, round_walls_s=[1.0]),
+                    "prefill_arena": dict(same, logits_config="wgmma 64x384 s6", round_walls_s=[0.9])})
+    (args, kwargs), = rows
+    assert args[-1] is False and "logits_config" in args[1]
+
+
 def _bench_clocks():
     pytest.importorskip("rich")
     return _bench_module("bench_clocks")

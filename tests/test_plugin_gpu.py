@@ -167,6 +167,26 @@ print(json.dumps({"held": held, "cached": cached, "after": alloc.memory_reserved
     assert out["freed"] >= 150 << 20
 
 
+def test_general_regions_cost_the_device_what_they_hold():
+    """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
+    alignment's padding) would cost a whole 2 MiB page a region, outside every pool's count."""
+    out = run("""
+alloc.install()
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+free0, held0 = torch.cuda.mem_get_info()[0], alloc.memory_reserved()
+ts = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in [3] * 12 + [12] * 6]
+small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(40)]
+torch.cuda.synchronize()
+s = alloc.memory_stats()
+print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
+                  "regions": s["arena.small.regions"] + s["arena.large.regions"]}))
+""")
+    assert out["regions"] >= 14
+    assert out["held"] >= (3 * 12 + 12 * 6 + 20) << 20
+    assert abs(out["device"] - out["held"]) <= 2 << 20, out  # padding would cost 2 MiB a region
+
+
 def test_record_stream_keeps_a_block_until_the_other_stream_is_done():
     out = run("""
 alloc.install()
