@@ -50,6 +50,7 @@ enum {
   CUDA_SUCCESS = 0,
   CUDA_ERROR_OUT_OF_MEMORY = 2,
   CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102,
+  CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 110,
   CU_MEM_ALLOCATION_TYPE_PINNED = 1,
   CU_MEM_HANDLE_TYPE_NONE = 0,
   CU_MEM_LOCATION_TYPE_DEVICE = 1,
@@ -114,18 +115,21 @@ static ia_status_t load_driver(void) {
   return st;
 }
 
-static CUmemAllocationProp page_properties(int device) {
+/* Pages a network card can read and write too where the device allows it (GPUDirect RDMA: what
+ * cudaMalloc memory gets by default), as PyTorch's expandable segments ask. */
+static CUmemAllocationProp page_properties(int device, bool rdma) {
   CUmemAllocationProp prop;
   memset(&prop, 0, sizeof prop);
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
   prop.location = (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, device};
+  prop.allocFlags.gpuDirectRDMACapable = rdma;
   return prop;
 }
 
-/* The driver's page for the device, after checking that it maps at all. */
-static ia_status_t device_page(int device, size_t *page) {
-  int dev = 0, supported = 0;
+/* The driver's page for the device and the properties of its pages, after checking that it maps. */
+static ia_status_t device_page(int device, size_t *page, CUmemAllocationProp *out) {
+  int dev = 0, supported = 0, rdma = 0;
   CUresult err = drv.cuDeviceGet(&dev, device);
   if (err != CUDA_SUCCESS) return driver_fail(err, "cuDeviceGet", device);
   err = drv.cuDeviceGetAttribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
@@ -135,13 +139,17 @@ static ia_status_t device_page(int device, size_t *page) {
                    "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)", device);
     return IA_ERR_BACKEND;
   }
-  CUmemAllocationProp prop = page_properties(device);
+  /* An older driver may not know the attribute: then the pages are plain. */
+  if (drv.cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, dev) != CUDA_SUCCESS)
+    rdma = 0;
+  CUmemAllocationProp prop = page_properties(device, rdma != 0);
   err = drv.cuMemGetAllocationGranularity(page, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
   if (err != CUDA_SUCCESS) return driver_fail(err, "cuMemGetAllocationGranularity", device);
   if (!_ia_is_pow2(*page)) {
     _ia_cuda_error("device %d maps pages of %zu bytes, not a power of two", device, *page);
     return IA_ERR_BACKEND;
   }
+  if (out) *out = prop;
   return IA_OK;
 }
 
@@ -149,7 +157,7 @@ ia_status_t ia_vmm_supported(int device, const char *cudart_path) {
   ia_status_t st = ia_cuda_load(cudart_path);
   if (st == IA_OK) st = load_driver();
   size_t page;
-  return st == IA_OK ? device_page(device, &page) : st;
+  return st == IA_OK ? device_page(device, &page, NULL) : st;
 }
 
 typedef struct vmm_range {
@@ -332,7 +340,8 @@ ia_status_t ia_vmm_backend_create(int device, const char *cudart_path, ia_backen
   ia_status_t st = ia_cuda_backend_create(device, cudart_path, &runtime);
   if (st != IA_OK) return st;
   size_t page = 0;
-  if ((st = load_driver()) != IA_OK || (st = device_page(device, &page)) != IA_OK) {
+  CUmemAllocationProp prop;
+  if ((st = load_driver()) != IA_OK || (st = device_page(device, &page, &prop)) != IA_OK) {
     ia_backend_destroy(runtime);
     return st;
   }
@@ -363,7 +372,7 @@ ia_status_t ia_vmm_backend_create(int device, const char *cudart_path, ia_backen
   };
   v->runtime = runtime;
   v->device = device;
-  v->prop = page_properties(device);
+  v->prop = prop;
   *out = &v->base;
   return IA_OK;
 }
