@@ -1057,6 +1057,13 @@ void _ia_arena_flush_events(ia_arena_t *a) {
   pthread_mutex_unlock(&a->lock);
 }
 
+ia_status_t _ia_arena_grant_access(ia_arena_t *a, int peer) {
+  pthread_mutex_lock(&a->lock); /* maps happen under it too, so none misses the peer */
+  ia_status_t st = a->page && a->backend->grant_access ? a->backend->grant_access(a->backend, peer) : IA_OK;
+  pthread_mutex_unlock(&a->lock);
+  return st;
+}
+
 bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
   return a->backend->stream_capturing && a->backend->stream_capturing(a->backend, stream);
 }
@@ -1101,6 +1108,8 @@ bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
 size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
 
 size_t ia_arena_page_size(const ia_arena_t *a) { return a->page; }
+
+const ia_backend_t *ia_arena_backend(const ia_arena_t *a) { return a->backend; }
 
 bool ia_arena_address_range(const ia_arena_t *a, ia_region_info_t *out) {
   if (a->range_size) *out = (ia_region_info_t){a->range_base, a->range_size};

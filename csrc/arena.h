@@ -78,6 +78,7 @@ typedef struct ia_mapping_counters {
   uint64_t pages_mapped, pages_unmapped; /* pages, summed over those calls */
   uint64_t mapped, mapped_peak;          /* bytes mapped now; most at once */
   uint64_t refusals;       /* maps refused: the host backend's limit, the guard */
+  uint64_t peers;          /* devices granted access to the pages, one bit each */
   uint64_t waits;          /* host backend: event waits that found the event not yet complete */
   uint64_t errors;         /* host backend: a map of a mapped page, an unmap of an unmapped one, a
                             * range freed with pages mapped, a stretch outside every range (an
@@ -258,6 +259,8 @@ size_t ia_arena_regions(ia_arena_t *arena, ia_region_info_t *out, size_t cap);
 /* A mapping arena's page (0: an arena of reservations) and its one address range (false: none). */
 size_t ia_arena_page_size(const ia_arena_t *arena);
 bool ia_arena_address_range(const ia_arena_t *arena, ia_region_info_t *out);
+/* The backend the arena took (tests read the host backend's or the guard's counters through it). */
+const ia_backend_t *ia_arena_backend(const ia_arena_t *arena);
 /* Walks every region: blocks tile it exactly, no two neighbours are both free, the free bins and
  * the live-block table agree with the blocks, the counters agree with the walk.
  * Returns true when all hold; otherwise writes what broke into msg. */
@@ -413,6 +416,10 @@ void ia_torch_free(void *ptr);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
 void ia_torch_memory_fraction(double fraction, int device);
+/* torch's enablePeerAccess(dev, dev_to_access): the pages of dev_to_access's mapped general pools,
+ * mapped now or later, become reachable from dev (regions need nothing: cudaDeviceEnablePeerAccess
+ * covers them). Remembered for a device whose pools do not exist yet. */
+ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access);
 /* All of the above that the process-scope allocator calls, in one table: it is a separate library
  * built against the installed torch, and the core exports nothing it does not have to. */
 typedef struct ia_torch_entry_points {
@@ -433,6 +440,7 @@ typedef struct ia_torch_entry_points {
   uint64_t (*ooms)(void);
   uint64_t (*retries)(void);
   const char *(*status_str)(ia_status_t status);
+  ia_status_t (*enable_peer_access)(int dev, int dev_to_access);
 } ia_torch_entry_points_t;
 const ia_torch_entry_points_t *ia_torch_entry_points(void);
 

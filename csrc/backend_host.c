@@ -371,6 +371,15 @@ static void host_unmap(ia_backend_t *self, void *at, size_t size) {
   pthread_mutex_unlock(&h->lock);
 }
 
+static ia_status_t host_grant_access(ia_backend_t *self, int peer) {
+  if (peer < 0 || peer >= 64) return IA_ERR_INVALID_ARGUMENT;
+  host_backend_t *h = host(self);
+  pthread_mutex_lock(&h->lock);
+  h->counters.peers |= 1ull << peer;
+  pthread_mutex_unlock(&h->lock);
+  return IA_OK;
+}
+
 void ia_host_mapping_counters(const ia_backend_t *b, ia_mapping_counters_t *out) {
   host_backend_t *h = host((ia_backend_t *)b);
   pthread_mutex_lock(&h->lock);
@@ -438,6 +447,7 @@ ia_status_t ia_host_mapping_backend_create(size_t limit_bytes, size_t page_size,
   b->address_free = host_address_free;
   b->map = host_map;
   b->unmap = host_unmap;
+  b->grant_access = host_grant_access;
   host(b)->counters.page_size = page_size;
   return IA_OK;
 }

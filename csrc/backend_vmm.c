@@ -2,7 +2,8 @@
  * (arena.c, "mapped ranges"): an arena's one address range is reserved with cuMemAddressReserve,
  * and each page is a physical allocation of its own (cuMemCreate of the driver's granularity,
  * 2 MiB on current GPUs), mapped with cuMemMap and made readable and writable by the device with
- * cuMemSetAccess; cuMemUnmap and cuMemRelease give a page back to the device at once, so
+ * cuMemSetAccess (and by the peer devices granted access, as cudaDeviceEnablePeerAccess grants
+ * cudaMalloc memory); cuMemUnmap and cuMemRelease give a page back to the device at once, so
  * cudaMemGetInfo sees it. One allocation per page is what lets any page go on its own: the driver
  * unmaps only whole mappings. This is what PyTorch's expandable segments do, with the page as the
  * unit where they use 2 or 20 MiB.
@@ -174,6 +175,8 @@ typedef struct {
   int device;
   CUmemAllocationProp prop;
   vmm_range_t *ranges; /* the arena calls under its lock, so these need no lock of their own */
+  CUmemAccessDesc access[IA_MAX_DEVICES + 1]; /* the device, then the peers granted access */
+  size_t n_access;
 } vmm_backend_t;
 
 static vmm_backend_t *vmm(ia_backend_t *b) { return (vmm_backend_t *)b; }
@@ -284,10 +287,9 @@ static ia_status_t vmm_map(ia_backend_t *self, void *at, size_t size) {
     }
     r->mapped[i] = 1;
   }
-  /* One grant for the whole stretch: pages mapped since it are not accessible before it. */
-  CUmemAccessDesc access = {.location = {CU_MEM_LOCATION_TYPE_DEVICE, v->device},
-                            .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-  if (!what && (err = drv.cuMemSetAccess((CUdeviceptr)(uintptr_t)at, size, &access, 1)) != CUDA_SUCCESS)
+  /* One grant for the whole stretch and every device that reaches it: mapped pages are not
+   * accessible before it. */
+  if (!what && (err = drv.cuMemSetAccess((CUdeviceptr)(uintptr_t)at, size, v->access, v->n_access)) != CUDA_SUCCESS)
     what = "cuMemSetAccess";
   if (what) {
     char message[96];
@@ -306,6 +308,30 @@ static void vmm_unmap(ia_backend_t *self, void *at, size_t size) {
   if (!r || enter(v, &scope) != IA_OK) return;
   unmap_pages(v, r, ((uintptr_t)at - r->base) / self->page_size, size / self->page_size);
   _ia_cuda_exit(&scope);
+}
+
+/* The peer reaches every page mapped now (each run of mapped pages in one grant) and later. */
+static ia_status_t vmm_grant_access(ia_backend_t *self, int peer) {
+  vmm_backend_t *v = vmm(self);
+  for (size_t i = 0; i < v->n_access; i++)
+    if (v->access[i].location.id == peer) return IA_OK;
+  if (peer < 0 || v->n_access > IA_MAX_DEVICES) return IA_ERR_INVALID_ARGUMENT;
+  CUmemAccessDesc grant = {.location = {CU_MEM_LOCATION_TYPE_DEVICE, peer}, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  size_t page = self->page_size;
+  _ia_cuda_scope_t scope;
+  ia_status_t st = enter(v, &scope);
+  bool entered = st == IA_OK;
+  for (vmm_range_t *r = v->ranges; r && st == IA_OK; r = r->next)
+    for (size_t i = 0, pages = r->size / page; i < pages && st == IA_OK;) {
+      size_t run = 0;
+      while (i + run < pages && r->mapped[i + run]) run++;
+      CUresult err = run ? drv.cuMemSetAccess(r->base + i * page, run * page, &grant, 1) : CUDA_SUCCESS;
+      if (err != CUDA_SUCCESS) st = driver_fail(err, "cuMemSetAccess for a peer device", v->device);
+      i += run ? run : 1;
+    }
+  if (entered) _ia_cuda_exit(&scope);
+  if (st == IA_OK) v->access[v->n_access++] = grant;
+  return st;
 }
 
 static void vmm_address_free(ia_backend_t *self, void *base, size_t size) {
@@ -369,10 +395,14 @@ ia_status_t ia_vmm_backend_create(int device, const char *cudart_path, ia_backen
       .address_free = vmm_address_free,
       .map = vmm_map,
       .unmap = vmm_unmap,
+      .grant_access = vmm_grant_access,
   };
   v->runtime = runtime;
   v->device = device;
   v->prop = prop;
+  v->access[0] = (CUmemAccessDesc){.location = {CU_MEM_LOCATION_TYPE_DEVICE, device},
+                                   .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  v->n_access = 1;
   *out = &v->base;
   return IA_OK;
 }

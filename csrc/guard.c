@@ -191,6 +191,12 @@ static void guard_unmap(ia_backend_t *self, void *at, size_t size) {
   g->counters.mapped -= size;
 }
 
+static ia_status_t guard_grant_access(ia_backend_t *self, int peer) {
+  ia_status_t st = guard_inner(self)->grant_access(guard_inner(self), peer);
+  if (st == IA_OK && peer >= 0 && peer < 64) guard(self)->counters.peers |= 1ull << peer;
+  return st;
+}
+
 void ia_guard_mapping_counters(const ia_backend_t *b, ia_mapping_counters_t *out) {
   *out = ((const guard_backend_t *)b)->counters;
 }
@@ -230,6 +236,7 @@ ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_
     g->base.address_free = guard_address_free;
     g->base.map = guard_map;
     g->base.unmap = guard_unmap;
+    g->base.grant_access = inner->grant_access ? guard_grant_access : NULL;
     g->counters.page_size = inner->page_size;
   }
   g->inner = inner;

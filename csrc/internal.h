@@ -55,6 +55,9 @@ struct ia_backend {
   void (*address_free)(ia_backend_t *self, void *base, size_t size);
   ia_status_t (*map)(ia_backend_t *self, void *at, size_t size);
   void (*unmap)(ia_backend_t *self, void *at, size_t size);
+  /* Optional, mapping backends: every page mapped now or later is readable and writable by device
+   * `peer` too (a driver's mapping is reachable only from the devices granted it). */
+  ia_status_t (*grant_access)(ia_backend_t *self, int peer);
 };
 
 /* A backend that wraps another hands it every event and stream operation: defines
@@ -147,6 +150,8 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
 void _ia_plugin_flush_events(int device);
 void _ia_arena_flush_events(ia_arena_t *arena);
 bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
+/* A mapping arena's pages become reachable from device `peer` (IA_OK and nothing else otherwise). */
+ia_status_t _ia_arena_grant_access(ia_arena_t *arena, int peer);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
 /* A free the plugin must hold back until no stream of the device captures; true when held. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);

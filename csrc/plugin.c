@@ -52,6 +52,7 @@ typedef struct {
   bool unified;
   bool expandable;      /* the general arenas map pages of one address range each, this big: */
   size_t address_range;
+  uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
   _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
   _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
 } device_slot_t;
@@ -198,6 +199,9 @@ static ia_status_t create_device(int device) {
     if (st == IA_OK) st = choose_mapping(device, &slot->expandable, &slot->address_range);
     for (int p = IA_POOL_SMALL; st == IA_OK && plugin.config.scope == IA_SCOPE_PROCESS && p < IA_POOL_COUNT; p++)
       st = make_arena(device, unified, p, &slot->arenas[p]);
+    for (int peer = 0; st == IA_OK && peer < MAX_DEVICES; peer++) /* asked before the pools existed */
+      for (int p = IA_POOL_SMALL; st == IA_OK && p < IA_POOL_COUNT && (slot->peers >> peer & 1); p++)
+        if (slot->arenas[p]) st = _ia_arena_grant_access(slot->arenas[p], peer);
     if (st != IA_OK) {
       if (plugin.configured) describe_backend_failure(st);
       for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++) {
@@ -389,7 +393,8 @@ static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
     snprintf(buf, len, " The pools may hold at most %.0f MiB here (torch.cuda.set_per_process_memory_fraction).",
              (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
   else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(buf, len, " %s.", ia_guard_last_message());
-  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(buf, len, " %s.", ia_cuda_last_error());
+  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY || (st == IA_ERR_BACKEND && ia_cuda_last_error()[0]))
+    snprintf(buf, len, " %s.", ia_cuda_last_error()); /* a driver call's own words (mapping, too) */
   else snprintf(buf, len, " %s.", ia_status_str(st));
 }
 
@@ -566,6 +571,19 @@ void ia_torch_memory_fraction(double fraction, int device) {
   atomic_store(&slot->totals.limit, (uint64_t)(fraction * (double)total));
 }
 
+ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access) {
+  if (dev < 0 || dev >= MAX_DEVICES || dev_to_access < 0 || dev_to_access >= MAX_DEVICES) return IA_ERR_INVALID_ARGUMENT;
+  device_slot_t *slot = &plugin.devices[dev_to_access];
+  pthread_mutex_lock(&plugin.lock); /* a device made now sees the bit, or is ready once it is set */
+  slot->peers |= 1ull << dev;
+  bool ready = atomic_load(&slot->ready) == 1;
+  pthread_mutex_unlock(&plugin.lock);
+  ia_status_t st = IA_OK;
+  for (int p = IA_POOL_SMALL; ready && st == IA_OK && p < IA_POOL_COUNT; p++)
+    if (slot->arenas[p]) st = _ia_arena_grant_access(slot->arenas[p], dev);
+  return st;
+}
+
 void ia_torch_empty_cache(void) {
   for (int d = 0; d < MAX_DEVICES; d++)
     for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++)
@@ -590,6 +608,7 @@ static const ia_torch_entry_points_t entry_points = {
     .ooms = ia_plugin_ooms,
     .retries = ia_plugin_retries,
     .status_str = ia_status_str,
+    .enable_peer_access = ia_torch_enable_peer_access,
 };
 
 const ia_torch_entry_points_t *ia_torch_entry_points(void) { return &entry_points; }

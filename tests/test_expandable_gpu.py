@@ -259,3 +259,26 @@ print(json.dumps({"page": a.page_size, "took": free0 - mid, "released": released
     assert out["page"] == 2 * MiB and out["size"] == 4 << 30 and out["inside"]
     assert out["took"] >= 302 * MiB and out["released"] == 300 * MiB
     assert out["back"] >= 300 * MiB and out["capacity"] == 2 * MiB
+
+
+def test_another_device_reaches_mapped_pages_once_pytorch_enables_peer_access():
+    out = run("""
+if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+    print(json.dumps({"skip": True}))
+    raise SystemExit
+alloc.install()
+a = torch.arange(1 << 22, dtype=torch.float32, device="cuda:1")   # pages of device 1's pool
+b = a.to("cuda:0")                          # PyTorch enables peer access, then copies device to device
+c = torch.empty(1 << 22, device="cuda:0")
+c.copy_(a)
+d = torch.arange(1 << 22, dtype=torch.float32, device="cuda:1")   # mapped after the grant
+e = d.to("cuda:0")
+torch.cuda.synchronize(0)
+torch.cuda.synchronize(1)
+expect = torch.arange(1 << 22, dtype=torch.float32, device="cuda:0")
+print(json.dumps({"ok": [bool((x == expect).all()) for x in (b, c, e)],
+                  "expandable": [alloc.device_is_expandable(0), alloc.device_is_expandable(1)]}))
+""")
+    if out.get("skip"):
+        pytest.skip("needs two GPUs that can reach each other's memory")
+    assert out == {"ok": [True, True, True], "expandable": [True, True]}

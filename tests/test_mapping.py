@@ -467,3 +467,23 @@ print("ok")
     assert data["devices"][0]["expandable"] is True
     pools = {p["pool"]: p for p in data["devices"][0]["pools"]}
     assert pools["large"]["stats"]["capacity"] == 6 * MiB
+
+
+def test_peer_devices_are_granted_the_mapped_pages_before_and_after_the_pools_exist():
+    plugin("""
+assert lib.ia_torch_enable_peer_access(3, 0) == lib.IA_OK      # device 0's pools do not exist yet
+x = alloc(5 * MiB)
+c = ffi.new("ia_mapping_counters_t *")
+def peers():
+    seen = []
+    for pool in (lib.IA_POOL_SMALL, lib.IA_POOL_LARGE):
+        lib.ia_host_mapping_counters(lib.ia_arena_backend(lib.ia_plugin_arena(0, pool)), c)
+        seen.append(c.peers)
+    return seen
+assert peers() == [1 << 3, 1 << 3]
+assert lib.ia_torch_enable_peer_access(5, 0) == lib.IA_OK      # and once they do
+assert peers() == [(1 << 3) | (1 << 5)] * 2
+assert lib.ia_torch_enable_peer_access(-1, 0) == lib.IA_ERR_INVALID_ARGUMENT
+assert lib.ia_torch_entry_points().enable_peer_access(5, 0) == lib.IA_OK
+print("ok")
+""")
