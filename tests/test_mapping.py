@@ -487,3 +487,35 @@ assert lib.ia_torch_enable_peer_access(-1, 0) == lib.IA_ERR_INVALID_ARGUMENT
 assert lib.ia_torch_entry_points().enable_peer_access(5, 0) == lib.IA_OK
 print("ok")
 """)
+
+
+def merged(spans):
+    out = []
+    for lo, size in sorted(spans):
+        if out and out[-1][1] == lo:
+            out[-1][1] = lo + size
+        else:
+            out.append([lo, lo + size])
+    return out
+
+
+def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
+    """Maps are traced as reserves and unmaps as releases, so a snapshot made from the trace alone
+    covers exactly the mapped stretches (a stretch grown by several maps shows as adjacent
+    segments)."""
+    from alloc.export import segments_from_events
+    from alloc.trace import Trace
+    trace = Trace(1024)
+    with mapped() as a:
+        trace.attach(a, device=0, pool="large")
+        a.allocate(1000)                          # page 0
+        big = a.allocate(6 * PAGE)                # pages 0-6, mapped by a second map
+        a.allocate(1000)                          # page 6
+        a.free(big)
+        assert a.release_cached() == 5 * PAGE     # pages 1-5: the middle of a traced map
+        a.allocate(3 * PAGE)                      # pages 1-3 again, after page 0's free tail
+        events, dropped = trace.events()
+        assert dropped == 0 and {e.action for e in events} >= {"reserve", "release"}
+        segments = segments_from_events(events)
+        assert len(a.regions()) == 2
+        assert merged((s["address"], s["total_size"]) for s in segments) == merged((r.base, r.size) for r in a.regions())
