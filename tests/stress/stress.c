@@ -3,12 +3,7 @@
  * other threads through a shared mailbox; whoever frees a block first checks its canary. At the
  * end every block is freed and the arena must be one free block again.
  *
- * With "mapped", the arena maps 64 KiB pages of one address range (the host backend's simulation,
- * holding at most CAPACITY_MIB) and the first thread also gives cached pages back every 1,024
- * operations while the others allocate; at the end everything must unmap, with no call the driver
- * would refuse.
- *
- * usage: stress THREADS OPS_PER_THREAD CAPACITY_MIB [mapped]   (prints "ok <ops> <ms>" or fails) */
+ * usage: stress THREADS OPS_PER_THREAD CAPACITY_MIB   (prints "ok <ops> <ms>" or fails) */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,7 +18,6 @@
 static ia_arena_t *arena;
 static size_t capacity;
 static long ops_per_thread;
-static bool mapped;
 
 static struct {
   pthread_mutex_t lock;
@@ -118,7 +112,7 @@ static void *worker(void *arg) {
         fill(p, size);
         held[slot] = p;
         held_size[slot] = size;
-      } else if (st == IA_ERR_OUT_OF_MEMORY || (mapped && st == IA_ERR_BACKEND_OUT_OF_MEMORY)) {
+      } else if (st == IA_ERR_OUT_OF_MEMORY) {
         oom_count++;
       } else {
         fprintf(stderr, "alloc failed: %s\n", ia_status_str(st));
@@ -126,7 +120,6 @@ static void *worker(void *arg) {
       }
     }
     total_ops++;
-    if (mapped && arg == NULL && n % 1024 == 1023) ia_arena_release_cached(arena);
   }
   for (unsigned i = 0; i < HELD; i++)
     if (held[i]) verify_and_free(held[i], held_size[i], stream);
@@ -134,9 +127,8 @@ static void *worker(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  mapped = argc == 5 && strcmp(argv[4], "mapped") == 0;
-  if (argc != 4 && !mapped) {
-    fprintf(stderr, "usage: %s THREADS OPS_PER_THREAD CAPACITY_MIB [mapped]\n", argv[0]);
+  if (argc != 4) {
+    fprintf(stderr, "usage: %s THREADS OPS_PER_THREAD CAPACITY_MIB\n", argv[0]);
     return 2;
   }
   int threads = atoi(argv[1]);
@@ -147,10 +139,7 @@ int main(int argc, char **argv) {
   ia_arena_default_options(&opts);
   opts.capacity = capacity;
   opts.alignment = 64;
-  if (mapped) opts.capacity = 0, opts.growable = true, opts.address_range = 4 * capacity;
-  ia_status_t st = mapped ? ia_host_mapping_backend_create(capacity, 64 << 10, &backend)
-                          : ia_host_backend_create(0, &backend);
-  if (st != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) {
+  if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) {
     fprintf(stderr, "cannot create the arena\n");
     return 3;
   }
@@ -176,17 +165,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%lu canary failures\n", (unsigned long)canary_failures);
     return 1;
   }
-  if (mapped) { /* nothing live: every page goes, and the backend saw nothing it would refuse */
-    ia_mapping_counters_t c;
-    ia_arena_release_cached(arena);
-    ia_arena_stats(arena, &s);
-    ia_host_mapping_counters(backend, &c);
-    if (s.capacity || s.regions || c.mapped || c.errors || s.in_use) {
-      fprintf(stderr, "mapping not back to nothing: capacity %lu, %lu stretches, %lu mapped, %lu errors\n",
-              (unsigned long)s.capacity, (unsigned long)s.regions, (unsigned long)c.mapped, (unsigned long)c.errors);
-      return 1;
-    }
-  } else if (s.free_blocks != 1 || s.largest_free != capacity || s.in_use != 0) {
+  if (s.free_blocks != 1 || s.largest_free != capacity || s.in_use != 0) {
     fprintf(stderr, "arena not back to one free block: %lu free blocks, %lu in use\n",
             (unsigned long)s.free_blocks, (unsigned long)s.in_use);
     return 1;
