@@ -77,8 +77,8 @@ static void *run(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 4) {
-    fprintf(stderr, "usage: %s THREADS PAIRS_PER_THREAD REPEATS\n", argv[0]);
+  if (argc != 4 && argc != 5) {
+    fprintf(stderr, "usage: %s THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n", argv[0]);
     return 2;
   }
   int threads = atoi(argv[1]);
@@ -88,6 +88,7 @@ int main(int argc, char **argv) {
   ia_arena_options_t opts;
   ia_arena_default_options(&opts);
   opts.capacity = (size_t)1 << 30;
+  if (argc == 5) opts.thread_cache = (size_t)atol(argv[4]) << 20;
   if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) return 3;
   pthread_barrier_init(&start, NULL, (unsigned)threads);
   for (int rep = 0; rep < repeats; rep++)
