@@ -27,9 +27,10 @@
  * Threads. With thread_cache set, each thread has a cache of the blocks it allocated
  * (thread_cache.c): its own frees and same-stream reuse of them skip this file's lock. The arena
  * sees a block lent to a cache as not free; before it grows, refuses a request, or does anything
- * that needs its exact free state (allocation at an address, releasing regions, listing blocks,
- * recording events before a capture, destruction) it takes every cache's free blocks back (drain).
- * Statistics add the caches' counters (fold) and count their free blocks as free.
+ * that needs its merged free state (allocation at an address, releasing regions, recording events
+ * before a capture) it takes every cache's free blocks back (drain); destruction forgets them.
+ * Statistics, the block list and the invariant walk change nothing: they add the caches' counters
+ * (fold) and count the blocks free in caches as free blocks of their own.
  *
  * Locking: one mutex per arena (adaptive: it spins briefly before sleeping) guards everything in
  * it, taken once per public call that is not served by a thread cache. Backend calls made while
@@ -1030,17 +1031,20 @@ size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
   return n;
 }
 
+/* A block a thread cache keeps is listed as the free block it is (it may neighbour another), as
+ * ia_arena_stats counts it: looking does not change the arena. */
 size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
   pthread_mutex_lock(&a->lock);
-  drain(a, NULL); /* so that the list is the exact free state, every lent block handed out */
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_lock(a->caches[i]);
   size_t n = 0;
   uint32_t index = 0;
   for (region_t *r = a->regions; r; r = r->next, index++)
     for (block_t *b = r->first; b; b = b->phys_next, n++)
       if (n < cap)
         out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
-                                   .region_base = r->base, .region = index, .is_free = b->is_free,
-                                   .stream = b->stream};
+                                   .region_base = r->base, .region = index,
+                                   .is_free = b->is_free || (b->cache && b->cached), .stream = b->stream};
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_unlock(a->caches[i]);
   pthread_mutex_unlock(&a->lock);
   return n;
 }
