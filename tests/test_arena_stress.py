@@ -129,8 +129,9 @@ def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
 
 
 def test_random_operation_sequences_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """tests/stress/fuzz.c: random sequences on a fixed and a growable arena and on the plugin's
-    graph pools (host memory), invariant walks along the way; seeds fixed, so a failure replays.
+    """tests/stress/fuzz.c: random sequences on a fixed and a growable arena, each with and without
+    thread caches, and on the plugin's pools (host memory), invariant walks along the way; seeds
+    fixed, so a failure replays.
     Seed 4 found a carve-out giving memory back during a capture, which recorded an event on the
     capturing stream."""
     exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",
