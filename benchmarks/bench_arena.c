@@ -2,8 +2,13 @@
  *
  * Each thread keeps a window of live blocks and, per pair, frees a random one and allocates a new
  * one of a random size (log-uniform, 16 B to 1 MiB), so the arena always holds a realistic mix of
- * live blocks and holes. glibc malloc/free runs the same sequence as a reference.
- * usage: bench_arena THREADS PAIRS_PER_THREAD REPEATS   prints one line per (allocator, run). */
+ * live blocks and holes. All threads share one arena. Three allocators run the same sequence:
+ * "arena" with thread caches of THREAD_CACHE_MIB per thread (blocks up to 1 MiB, as the plugin's
+ * small pool), "locked", the same arena without them (every operation takes the arena's lock),
+ * and "malloc", glibc malloc/free. Each repeat runs all three, in an order rotated every repeat so
+ * that running first or last favours none.
+ * usage: bench_arena THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
+ *        prints one line "allocator threads ns_per_pair" per (allocator, repeat). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,14 +18,17 @@
 
 #define WINDOW 256
 
+enum { MALLOC = 0, ARENA = 1, LOCKED = 2 };
+static const char *const names[] = {"malloc", "arena", "locked"};
+
 typedef struct {
-  int use_arena;
+  int use_arena; /* MALLOC, ARENA or LOCKED */
   long pairs;
   uint64_t seed;
   double ns;
 } job_t;
 
-static ia_arena_t *arena;
+static ia_arena_t *arenas[3]; /* [ARENA], [LOCKED] */
 static pthread_barrier_t start;
 
 static uint64_t next_random(uint64_t *s) {
@@ -39,11 +47,11 @@ static size_t random_size(uint64_t *rng) {
 static void *get(int use_arena, size_t size, ia_stream_t stream) {
   if (!use_arena) return malloc(size);
   void *p;
-  return ia_arena_alloc(arena, size, stream, &p) == IA_OK ? p : NULL;
+  return ia_arena_alloc(arenas[use_arena], size, stream, &p) == IA_OK ? p : NULL;
 }
 
 static void put(int use_arena, void *p, ia_stream_t stream) {
-  if (use_arena) ia_arena_free(arena, p, stream);
+  if (use_arena) ia_arena_free(arenas[use_arena], p, stream);
   else free(p);
 }
 
@@ -84,15 +92,21 @@ int main(int argc, char **argv) {
   int threads = atoi(argv[1]);
   long pairs = atol(argv[2]);
   int repeats = atoi(argv[3]);
-  ia_backend_t *backend;
-  ia_arena_options_t opts;
-  ia_arena_default_options(&opts);
-  opts.capacity = (size_t)1 << 30;
-  if (argc == 5) opts.thread_cache = (size_t)atol(argv[4]) << 20;
-  if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) return 3;
+  size_t cache = argc == 5 ? (size_t)atol(argv[4]) << 20 : (size_t)16 << 20;
+  if (threads < 1 || threads > 64) return 2;
+  for (int kind = ARENA; kind <= LOCKED; kind++) {
+    ia_backend_t *backend;
+    ia_arena_options_t opts;
+    ia_arena_default_options(&opts);
+    opts.capacity = (size_t)1 << 30;
+    opts.thread_cache = kind == ARENA ? cache : 0;
+    if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arenas[kind]) != IA_OK)
+      return 3;
+  }
   pthread_barrier_init(&start, NULL, (unsigned)threads);
   for (int rep = 0; rep < repeats; rep++)
-    for (int use_arena = 1; use_arena >= 0; use_arena--) {
+    for (int k = 0; k < 3; k++) {
+      int use_arena = (rep + k) % 3;
       job_t jobs[64];
       pthread_t tid[64];
       for (int t = 0; t < threads; t++) {
@@ -104,13 +118,23 @@ int main(int argc, char **argv) {
         pthread_join(tid[t], NULL);
         if (jobs[t].ns > worst) worst = jobs[t].ns;
       }
-      printf("%s %d %.2f\n", use_arena ? "arena" : "malloc", threads, worst);
+      printf("%s %d %.2f\n", names[use_arena], threads, worst);
+      fflush(stdout);
     }
-  char msg[256];
-  if (!ia_arena_check(arena, msg, sizeof msg)) {
-    fprintf(stderr, "invariant broken: %s\n", msg);
-    return 1;
+  for (int kind = ARENA; kind <= LOCKED; kind++) {
+    char msg[256];
+    if (!ia_arena_check(arenas[kind], msg, sizeof msg)) {
+      fprintf(stderr, "invariant broken: %s\n", msg);
+      return 1;
+    }
+    ia_stats_t s;
+    ia_arena_stats(arenas[kind], &s);
+    if (s.in_use || s.free_blocks != 1) { /* the threads ended: their caches gave everything back */
+      fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[kind],
+              (unsigned long)s.in_use, (unsigned long)s.free_blocks);
+      return 1;
+    }
+    ia_arena_destroy(arenas[kind]);
   }
-  ia_arena_destroy(arena);
   return 0;
 }
