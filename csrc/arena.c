@@ -158,14 +158,11 @@ void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
   pthread_mutex_unlock(&a->lock);
 }
 
-/* ---- size classes (internal.h) ---------------------------------------------------------------- */
-
-#define log2_floor _ia_log2_floor
-#define class_of _ia_class_of
+/* ---- free classes (the size classes are in internal.h) ---------------------------------------- */
 
 static void bin_insert(ia_arena_t *a, block_t *b) {
   unsigned fl, sl;
-  class_of(b->size, &fl, &sl);
+  _ia_class_of(b->size, &fl, &sl);
   b->fl = (uint16_t)fl;
   b->sl = (uint16_t)sl;
   b->free_prev = NULL;
@@ -218,7 +215,7 @@ static bool next_class(const ia_arena_t *a, unsigned *fl, unsigned *sl) {
 
 static block_t *find_free(ia_arena_t *a, size_t size) {
   unsigned fl, sl;
-  class_of(size, &fl, &sl);
+  _ia_class_of(size, &fl, &sl);
   block_t *own = a->bins[fl][sl];
   block_t *b = smallest_fitting(own, size, SCAN_LIMIT);
   if (b) return b;
@@ -635,16 +632,18 @@ void ia_arena_destroy(ia_arena_t *a) {
   /* Threads may still hold caches of this arena: each is orphaned (told its arena is gone, its
    * blocks forgotten) under the registry lock, which an exiting thread holds while it follows its
    * cache's arena pointer; the thread frees the cache later. */
-  _ia_tcache_registry_lock();
-  pthread_mutex_lock(&a->lock);
-  for (size_t i = 0; i < a->n_caches; i++) {
-    _ia_tcache_lock(a->caches[i]);
-    _ia_tcache_orphan(a->caches[i]);
-    _ia_tcache_unlock(a->caches[i]);
+  if (a->opts.thread_cache) {
+    _ia_tcache_registry_lock();
+    pthread_mutex_lock(&a->lock);
+    for (size_t i = 0; i < a->n_caches; i++) {
+      _ia_tcache_lock(a->caches[i]);
+      _ia_tcache_orphan(a->caches[i]);
+      _ia_tcache_unlock(a->caches[i]);
+    }
+    a->n_caches = 0;
+    pthread_mutex_unlock(&a->lock);
+    _ia_tcache_registry_unlock();
   }
-  a->n_caches = 0;
-  pthread_mutex_unlock(&a->lock);
-  _ia_tcache_registry_unlock();
   while (a->regions) region_drop(a, a->regions);
   for (size_t i = 0; i < a->n_streams; i++) a->backend->event_destroy(a->backend, a->streams[i].event);
   for (slab_t *s = a->slabs, *next; s; s = next) {
@@ -982,8 +981,8 @@ size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
 
 static uint64_t largest_free_locked(const ia_arena_t *a) {
   if (!a->fl_bitmap) return 0;
-  unsigned fl = log2_floor(a->fl_bitmap);
-  unsigned sl = log2_floor(a->sl_bitmap[fl]);
+  unsigned fl = _ia_log2_floor(a->fl_bitmap);
+  unsigned sl = _ia_log2_floor(a->sl_bitmap[fl]);
   uint64_t largest = 0;
   for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)
     if (b->size > largest) largest = b->size;
@@ -1098,7 +1097,7 @@ static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
               (unsigned long)b->addr, (unsigned long)b->phys_next->addr);
         CHECK(!b->cache, "free block %#lx is lent to a thread cache", (unsigned long)b->addr);
         unsigned fl, sl;
-        class_of(b->size, &fl, &sl);
+        _ia_class_of(b->size, &fl, &sl);
         CHECK(b->fl == fl && b->sl == sl, "free block %#lx filed in the wrong class",
               (unsigned long)b->addr);
         bool found = false;

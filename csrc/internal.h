@@ -212,7 +212,8 @@ typedef struct {
 
 /* The calling thread's cache for the arena; with `create`, made on first use (NULL when the thread
  * is exiting or memory is short). Caches keep free blocks of up to block_max bytes, limit bytes in
- * all. Never takes the arena's lock while creating, only that of its list (_ia_arena_attach_cache). */
+ * all. Finding one takes no lock; making one takes the arena's lock to join its list
+ * (_ia_arena_attach_cache), never the registry lock, so it may run under another arena's lock. */
 _ia_tcache_t *_ia_tcache_mine(ia_arena_t *arena, size_t limit, size_t block_max, bool create);
 bool _ia_arena_attach_cache(ia_arena_t *arena, _ia_tcache_t *cache);
 /* Thread exit, under the registry lock: the arena takes back everything the cache holds. */

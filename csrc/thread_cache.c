@@ -132,8 +132,8 @@ _ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia
   if (fl >= c->fl_count) return NULL;
   _ia_tcache_lock(c);
   _ia_block_t *b = c->heads[(size_t)fl * IA_SL_COUNT + sl];
-  for (unsigned n = 0; b && (b->stream != stream || b->size < rsize); b = b->free_next)
-    if (++n == SCAN_LIMIT) b = NULL; /* (the loop then ends: b is NULL) */
+  unsigned looked = 1;
+  while (b && (b->stream != stream || b->size < rsize)) b = looked++ < SCAN_LIMIT ? b->free_next : NULL;
   if (b) {
     list_remove(c, b);
     b->cached = false;

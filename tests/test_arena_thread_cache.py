@@ -74,6 +74,19 @@ def test_another_stream_gets_a_cached_block_only_after_waiting_for_its_free():
         a.check()
 
 
+def test_a_long_class_list_of_other_streams_is_not_scanned_to_its_end():
+    with cached_arena(4 * MiB) as a:
+        ps = [a.allocate(64 * KiB, S1) for _ in range(12)]
+        for p in ps:  # one class list of the cache, all on S1
+            a.free(p, S1)
+        q = a.allocate(64 * KiB, S2)  # looks at a few of them, then asks the arena
+        assert q not in ps
+        assert a.allocate(64 * KiB, S1) == ps[-1]  # the newest first
+        a.free(q, S2)
+        a.free(ps[-1], S1)
+        a.check()
+
+
 def test_a_block_with_recorded_streams_is_not_kept_by_the_cache():
     with cached_arena() as a:
         a.set_auto_complete(False)
