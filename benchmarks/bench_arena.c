@@ -2,16 +2,18 @@
  *
  * Each thread keeps a window of live blocks and, per pair, frees a random one and allocates a new
  * one of a random size (log-uniform, 16 B to 1 MiB), so the arena always holds a realistic mix of
- * live blocks and holes. All threads share one arena. Three allocators run the same sequence:
- * "arena" with thread caches of THREAD_CACHE_MIB per thread (blocks up to 1 MiB, as the plugin's
- * small pool), "locked", the same arena without them (every operation takes the arena's lock),
- * and "malloc", glibc malloc/free. Each repeat runs all three, in an order rotated every repeat so
- * that running first or last favours none.
- * usage: bench_arena THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
- *        prints one line "allocator threads ns_per_pair" per (allocator, repeat). */
+ * live blocks and holes. All threads share one arena. ALLOCATOR is "arena", with thread caches of
+ * THREAD_CACHE_MIB per thread (blocks up to 1 MiB, as the plugin's small pool), "locked", the same
+ * arena without them (every operation takes the arena's lock), or "malloc", glibc malloc/free on
+ * the same sequence. One allocator per process: glibc's heap adapts its thresholds to what ran
+ * before in the process (the arena's own bookkeeping included), which would bias the reference;
+ * benchmarks/bench_arena.py runs the processes in a rotated order.
+ * usage: bench_arena ALLOCATOR THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
+ *        prints one line "allocator threads ns_per_pair" per repeat. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "arena.h"
@@ -28,7 +30,7 @@ typedef struct {
   double ns;
 } job_t;
 
-static ia_arena_t *arenas[3]; /* [ARENA], [LOCKED] */
+static ia_arena_t *arenas[3]; /* [ARENA] or [LOCKED] */
 static pthread_barrier_t start;
 
 static uint64_t next_random(uint64_t *s) {
@@ -65,13 +67,18 @@ static void *run(void *arg) {
   /* Sizes drawn ahead, so the timed loop measures the allocator and not the generator. */
   size_t *draws = malloc(sizeof *draws * 4096);
   for (int i = 0; i < 4096; i++) draws[i] = random_size(&rng);
-  pthread_barrier_wait(&start);
+  /* A quarter of the pairs untimed first: a fresh process's allocator (tables, caches, glibc's
+   * adaptive thresholds) settles before the clock starts. */
+  long warm = job->pairs / 4;
   struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (long n = 0; n < job->pairs; n++) {
-    unsigned slot = (unsigned)(n * 2654435761u >> 7) % WINDOW;
+  for (long n = -warm; n < job->pairs; n++) {
+    if (n == 0) {
+      pthread_barrier_wait(&start);
+      clock_gettime(CLOCK_MONOTONIC, &t0);
+    }
+    unsigned slot = (unsigned)((unsigned long)n * 2654435761u >> 7) % WINDOW;
     put(job->use_arena, live[slot], stream);
-    live[slot] = get(job->use_arena, draws[n & 4095], stream);
+    live[slot] = get(job->use_arena, draws[(unsigned long)n & 4095], stream);
     if (!live[slot]) {
       fprintf(stderr, "allocation failed\n");
       exit(1);
@@ -85,56 +92,56 @@ static void *run(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 4 && argc != 5) {
-    fprintf(stderr, "usage: %s THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n", argv[0]);
+  int use_arena = -1;
+  for (int k = 0; argc >= 5 && k < 3; k++)
+    if (!strcmp(argv[1], names[k])) use_arena = k;
+  if ((argc != 5 && argc != 6) || use_arena < 0) {
+    fprintf(stderr, "usage: %s arena|locked|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n", argv[0]);
     return 2;
   }
-  int threads = atoi(argv[1]);
-  long pairs = atol(argv[2]);
-  int repeats = atoi(argv[3]);
-  size_t cache = argc == 5 ? (size_t)atol(argv[4]) << 20 : (size_t)16 << 20;
+  int threads = atoi(argv[2]);
+  long pairs = atol(argv[3]);
+  int repeats = atoi(argv[4]);
+  size_t cache = argc == 6 ? (size_t)atol(argv[5]) << 20 : (size_t)16 << 20;
   if (threads < 1 || threads > 64) return 2;
-  for (int kind = ARENA; kind <= LOCKED; kind++) {
+  if (use_arena) {
     ia_backend_t *backend;
     ia_arena_options_t opts;
     ia_arena_default_options(&opts);
     opts.capacity = (size_t)1 << 30;
-    opts.thread_cache = kind == ARENA ? cache : 0;
-    if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arenas[kind]) != IA_OK)
+    opts.thread_cache = use_arena == ARENA ? cache : 0;
+    if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arenas[use_arena]) != IA_OK)
       return 3;
   }
   pthread_barrier_init(&start, NULL, (unsigned)threads);
-  for (int rep = 0; rep < repeats; rep++)
-    for (int k = 0; k < 3; k++) {
-      int use_arena = (rep + k) % 3;
-      job_t jobs[64];
-      pthread_t tid[64];
-      for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){.use_arena = use_arena, .pairs = pairs, .seed = 0x9E3779B97F4A7C15ull * (uint64_t)(t + 1)};
-        pthread_create(&tid[t], NULL, run, &jobs[t]);
-      }
-      double worst = 0;
-      for (int t = 0; t < threads; t++) {
-        pthread_join(tid[t], NULL);
-        if (jobs[t].ns > worst) worst = jobs[t].ns;
-      }
-      printf("%s %d %.2f\n", names[use_arena], threads, worst);
-      fflush(stdout);
+  for (int rep = 0; rep < repeats; rep++) {
+    job_t jobs[64];
+    pthread_t tid[64];
+    for (int t = 0; t < threads; t++) {
+      jobs[t] = (job_t){.use_arena = use_arena, .pairs = pairs, .seed = 0x9E3779B97F4A7C15ull * (uint64_t)(t + 1)};
+      pthread_create(&tid[t], NULL, run, &jobs[t]);
     }
-  for (int kind = ARENA; kind <= LOCKED; kind++) {
+    double worst = 0;
+    for (int t = 0; t < threads; t++) {
+      pthread_join(tid[t], NULL);
+      if (jobs[t].ns > worst) worst = jobs[t].ns;
+    }
+    printf("%s %d %.2f\n", names[use_arena], threads, worst);
+  }
+  if (use_arena) {
     char msg[256];
-    if (!ia_arena_check(arenas[kind], msg, sizeof msg)) {
+    if (!ia_arena_check(arenas[use_arena], msg, sizeof msg)) {
       fprintf(stderr, "invariant broken: %s\n", msg);
       return 1;
     }
     ia_stats_t s;
-    ia_arena_stats(arenas[kind], &s);
+    ia_arena_stats(arenas[use_arena], &s);
     if (s.in_use || s.free_blocks != 1) { /* the threads ended: their caches gave everything back */
-      fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[kind],
+      fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[use_arena],
               (unsigned long)s.in_use, (unsigned long)s.free_blocks);
       return 1;
     }
-    ia_arena_destroy(arenas[kind]);
+    ia_arena_destroy(arenas[use_arena]);
   }
   return 0;
 }

@@ -7,9 +7,10 @@ whether the goals of issue 19 are met.
                                      [--require-goals]
 
 Goals: one thread at most 50 ns per pair; four threads at most 2.0x glibc's time per pair. Each
-repeat runs the three allocators in an order rotated every repeat, so running first (a cold
-machine) or last favours none. On a machine with fewer than four cores, four threads oversubscribe
-it: every figure then includes time spent waiting for a core, glibc's too.
+repeat runs the three allocators, each in a process of its own (glibc's heap adapts to whatever
+ran before it in a process), in an order rotated every repeat, so that running first or last
+favours none. On a machine with fewer than four cores, four threads oversubscribe it: every figure
+then includes time spent waiting for a core, glibc's too.
 """
 
 import argparse
@@ -89,14 +90,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(pathlib.Path(tmp))
         for threads in (1, 4):
-            runs = subprocess.run([str(exe), str(threads), str(args.pairs), str(args.repeats),
-                                   str(args.thread_cache_mib)],
-                                  check=True, capture_output=True, text=True).stdout.split("\n")
             by = {name: [] for name in ALLOCATORS}
-            for line in filter(None, runs):
-                name, _, ns = line.split()
-                by[name].append(float(ns))
-            results.append({"threads": threads, **{f"{k}_ns": statistics.median(v) for k, v in by.items()}})
+            for rep in range(args.repeats):
+                for k in range(len(ALLOCATORS)):
+                    name = ALLOCATORS[(rep + k) % len(ALLOCATORS)]
+                    out = subprocess.run([str(exe), name, str(threads), str(args.pairs), "1",
+                                          str(args.thread_cache_mib)],
+                                         check=True, capture_output=True, text=True).stdout
+                    by[name].append(float(out.split()[2]))
+            results.append({"threads": threads, **{f"{k}_ns": statistics.median(v) for k, v in by.items()},
+                            "runs": by})
     table = Table(title=f"alloc+free pair, median of {args.repeats} runs of {args.pairs:,} pairs per thread")
     for col in ("threads", f"arena ns/pair ({args.thread_cache_mib} MiB thread caches)",
                 "arena ns/pair (no caches)", "glibc malloc ns/pair", "arena / glibc"):
