@@ -4,11 +4,13 @@
  * one of a random size (log-uniform, 16 B to 1 MiB), so the arena always holds a realistic mix of
  * live blocks and holes. All threads share one arena. ALLOCATOR is "arena", with thread caches of
  * THREAD_CACHE_MIB per thread (blocks up to 1 MiB, as the plugin's small pool), "locked", the same
- * arena without them (every operation takes the arena's lock), or "malloc", glibc malloc/free on
- * the same sequence. One allocator per process: glibc's heap adapts its thresholds to what ran
+ * arena without them (every operation takes the arena's lock), "plugin", the process-scope
+ * plugin's general pools on host memory (ia_torch_alloc/ia_torch_free: pools by size, a free finds
+ * its arena in the region registry; their thread caches are the plugin's), or "malloc", glibc
+ * malloc/free on the same sequence. One allocator per process: glibc's heap adapts its thresholds to what ran
  * before in the process (the arena's own bookkeeping included), which would bias the reference;
  * benchmarks/bench_arena.py runs the processes in a rotated order.
- * usage: bench_arena ALLOCATOR THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
+ * usage: bench_arena arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
  *        prints one line "allocator threads ns_per_pair" per repeat. */
 #include <pthread.h>
 #include <stdio.h>
@@ -20,17 +22,17 @@
 
 #define WINDOW 256
 
-enum { MALLOC = 0, ARENA = 1, LOCKED = 2 };
-static const char *const names[] = {"malloc", "arena", "locked"};
+enum { MALLOC = 0, ARENA = 1, LOCKED = 2, PLUGIN = 3, KINDS = 4 };
+static const char *const names[KINDS] = {"malloc", "arena", "locked", "plugin"};
 
 typedef struct {
-  int use_arena; /* MALLOC, ARENA or LOCKED */
+  int use_arena; /* one of the above */
   long pairs;
   uint64_t seed;
   double ns;
 } job_t;
 
-static ia_arena_t *arenas[3]; /* [ARENA] or [LOCKED] */
+static ia_arena_t *arenas[KINDS]; /* [ARENA] or [LOCKED] */
 static pthread_barrier_t start;
 
 static uint64_t next_random(uint64_t *s) {
@@ -48,12 +50,14 @@ static size_t random_size(uint64_t *rng) {
 
 static void *get(int use_arena, size_t size, ia_stream_t stream) {
   if (!use_arena) return malloc(size);
+  if (use_arena == PLUGIN) return ia_torch_alloc(size, 0, (void *)stream, NULL); /* aborts when refused */
   void *p;
   return ia_arena_alloc(arenas[use_arena], size, stream, &p) == IA_OK ? p : NULL;
 }
 
 static void put(int use_arena, void *p, ia_stream_t stream) {
-  if (use_arena) ia_arena_free(arenas[use_arena], p, stream);
+  if (use_arena == PLUGIN) ia_torch_free(p);
+  else if (use_arena) ia_arena_free(arenas[use_arena], p, stream);
   else free(p);
 }
 
@@ -93,10 +97,11 @@ static void *run(void *arg) {
 
 int main(int argc, char **argv) {
   int use_arena = -1;
-  for (int k = 0; argc >= 5 && k < 3; k++)
+  for (int k = 0; argc >= 5 && k < KINDS; k++)
     if (!strcmp(argv[1], names[k])) use_arena = k;
   if ((argc != 5 && argc != 6) || use_arena < 0) {
-    fprintf(stderr, "usage: %s arena|locked|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n", argv[0]);
+    fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n",
+            argv[0]);
     return 2;
   }
   int threads = atoi(argv[2]);
@@ -104,7 +109,11 @@ int main(int argc, char **argv) {
   int repeats = atoi(argv[4]);
   size_t cache = argc == 6 ? (size_t)atol(argv[5]) << 20 : (size_t)16 << 20;
   if (threads < 1 || threads > 64) return 2;
-  if (use_arena) {
+  if (use_arena == PLUGIN) {
+    ia_plugin_config_t c = {.scope = IA_SCOPE_PROCESS, .budget = (size_t)64 << 20, .alignment = 256, .host_memory = 1};
+    if (ia_plugin_configure(&c) != IA_OK || ia_plugin_reserve(0) != IA_OK) return 3;
+    arenas[PLUGIN] = ia_plugin_arena(0, IA_POOL_SMALL);
+  } else if (use_arena) {
     ia_backend_t *backend;
     ia_arena_options_t opts;
     ia_arena_default_options(&opts);
@@ -130,18 +139,27 @@ int main(int argc, char **argv) {
   }
   if (use_arena) {
     char msg[256];
+    if (use_arena == PLUGIN) { /* the large pool too; the plugin's arenas live with the process */
+      ia_arena_t *large = ia_plugin_arena(0, IA_POOL_LARGE);
+      ia_stats_t s;
+      ia_arena_stats(large, &s);
+      if (!ia_arena_check(large, msg, sizeof msg) || s.in_use) {
+        fprintf(stderr, "plugin's large pool: %s, %lu bytes in use\n", msg, (unsigned long)s.in_use);
+        return 1;
+      }
+    }
     if (!ia_arena_check(arenas[use_arena], msg, sizeof msg)) {
       fprintf(stderr, "invariant broken: %s\n", msg);
       return 1;
     }
     ia_stats_t s;
     ia_arena_stats(arenas[use_arena], &s);
-    if (s.in_use || s.free_blocks != 1) { /* the threads ended: their caches gave everything back */
+    if (s.in_use || s.free_blocks != s.regions) { /* the threads ended: their caches gave all back */
       fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[use_arena],
               (unsigned long)s.in_use, (unsigned long)s.free_blocks);
       return 1;
     }
-    ia_arena_destroy(arenas[use_arena]);
+    if (use_arena != PLUGIN) ia_arena_destroy(arenas[use_arena]);
   }
   return 0;
 }
