@@ -577,7 +577,7 @@ void _ia_arena_cache_exit(ia_arena_t *a, _ia_tcache_t *c) {
 void ia_arena_default_options(ia_arena_options_t *o) {
   /* No thread caches by default: the arena's placement stays exactly best fit and every free
    * merges at once. Callers that share an arena between threads turn them on (the plugin's
-   * general pools do); a thread_cache of a few MiB with blocks up to 1 MiB suits them. */
+   * general pools do: csrc/plugin.c says with what sizes and why). */
   *o = (ia_arena_options_t){.alignment = 256, .region_round = (size_t)2 << 20,
                             .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX,
                             .thread_cache = 0, .thread_cache_block = (size_t)1 << 20};

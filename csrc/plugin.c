@@ -44,10 +44,13 @@
  * several threads (the main thread, autograd's device threads, data-loading threads pinning
  * memory), and a thread mostly frees and reallocates the same tensor sizes on its own stream. A
  * cache never makes a pool grow (the arena takes the caches' blocks back first), so what it costs is
- * unmerged free blocks, bounded per thread by these sizes. The small pool's blocks are 1 MiB at
- * most; in the large pool only blocks up to 8 MiB are kept, where the lock's cost is not yet
- * negligible beside the work on the tensor. */
-#define SMALL_THREAD_CACHE (16 * MiB)
+ * unmerged free blocks, bounded per thread by these sizes (and by 1,024 blocks, which bounds the
+ * work of taking them back). The small pool's blocks are 1 MiB at most and a thread keeps up to
+ * 16 of its 2 MiB regions' worth: fewer trips to the lock per operation matter most when threads
+ * outnumber cores (benchmarks/RESULTS.md, issue 19: 16, 32 and 64 MiB measured). In the large pool
+ * only blocks up to 8 MiB are kept, where the lock's cost is not yet negligible beside the work on
+ * the tensor. */
+#define SMALL_THREAD_CACHE (32 * MiB)
 #define LARGE_THREAD_CACHE (32 * MiB)
 #define LARGE_THREAD_CACHE_BLOCK (8 * MiB)
 
