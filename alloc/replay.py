@@ -235,7 +235,7 @@ def host_arena(pool: int, budget: int, alignment: int, device: int):
     # thread, as a trace of a process that allocated on one thread ran.
     return Arena(0, 512, "host", growable=True, region_min=(2 if pool == SMALL else 20) * MiB,
                  region_round=2 * MiB, region_exact_above=None if pool == SMALL else 10 * MiB, name=name,
-                 thread_cache=32 * MiB,
+                 thread_cache=(16 if pool == SMALL else 32) * MiB,
                  thread_cache_block=(1 if pool == SMALL else 8) * MiB)
 
 

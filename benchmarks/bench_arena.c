@@ -107,7 +107,7 @@ int main(int argc, char **argv) {
   int threads = atoi(argv[2]);
   long pairs = atol(argv[3]);
   int repeats = atoi(argv[4]);
-  size_t cache = argc == 6 ? (size_t)atol(argv[5]) << 20 : (size_t)32 << 20; /* the plugin's small pool */
+  size_t cache = argc == 6 ? (size_t)atol(argv[5]) << 20 : (size_t)16 << 20; /* the plugin's small pool */
   if (threads < 1 || threads > 64) return 2;
   if (use_arena == PLUGIN) {
     ia_plugin_config_t c = {.scope = IA_SCOPE_PROCESS, .budget = (size_t)64 << 20, .alignment = 256, .host_memory = 1};

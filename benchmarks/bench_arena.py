@@ -82,8 +82,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2_000_000, help="pairs per thread per run")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--thread-cache-mib", type=int, default=32,
-                        help="each thread's cache in the arena (the plugin's small pool: 32)")
+    parser.add_argument("--thread-cache-mib", type=int, default=16,
+                        help="each thread's cache in the arena (the plugin's small pool: 16)")
     parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--require-goals", action="store_true", help="exit 1 when a goal is not met")
     args = parser.parse_args()

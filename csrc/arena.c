@@ -26,9 +26,10 @@
  *
  * Threads. With thread_cache set, each thread has a cache of the blocks it allocated
  * (thread_cache.c): its own frees and same-stream reuse of them skip this file's lock. The arena
- * sees a block lent to a cache as not free; before it grows, refuses a request, or does anything
- * that needs its merged free state (allocation at an address, releasing regions, recording events
- * before a capture) it takes every cache's free blocks back (drain); destruction forgets them.
+ * sees a block lent to a cache as not free. A request it cannot serve takes cached blocks back one
+ * by one until it fits, so that it grows or refuses only once no cache keeps any; anything that
+ * needs its merged free state (allocation at an address, releasing regions, recording events
+ * before a capture) takes every cache's free blocks back (drain); destruction forgets them.
  * Statistics, the block list and the invariant walk change nothing: they add the caches' counters
  * (fold) and count the blocks free in caches as free blocks of their own.
  *
@@ -545,6 +546,32 @@ static void drain(ia_arena_t *a, _ia_tcache_t *held) {
   }
 }
 
+/* A request the arena's free blocks cannot serve takes blocks back from the threads' caches, one
+ * at a time, largest first, the calling thread's own cache (`mine`, locked by the caller) first,
+ * until it fits or no cache keeps any: only then may the arena grow or refuse. Taking all of them
+ * back at once would empty caches whose threads fill them again at once; in a pool grown to just
+ * what it needs, where the caches' blocks are all its slack, that happened at nearly every miss. */
+static block_t *find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine) {
+  block_t *b = find_free(a, rsize);
+  for (size_t i = 0; !b && i <= a->n_caches;) {
+    _ia_tcache_t *c = i == 0 ? mine : a->caches[i - 1];
+    if (!c || (i > 0 && c == mine)) {
+      i++;
+      continue;
+    }
+    if (c != mine) _ia_tcache_lock(c);
+    block_t *taken = _ia_tcache_evict(c, true);
+    if (c != mine) _ia_tcache_unlock(c);
+    if (!taken) {
+      i++;
+      continue;
+    }
+    give_back(a, taken);
+    b = find_free(a, rsize);
+  }
+  return b;
+}
+
 static void fold_all(ia_arena_t *a) {
   for (size_t i = 0; i < a->n_caches; i++) {
     _ia_tcache_lock(a->caches[i]);
@@ -727,11 +754,7 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
   block_t *b = NULL;
   if (size <= MAX_REQUEST) {
     size_t rsize = _ia_align_up(size, a->opts.alignment);
-    b = find_free(a, rsize);
-    if (!b && a->n_caches) { /* free blocks kept by threads are tried before growing or refusing */
-      drain(a, c);
-      b = find_free(a, rsize);
-    }
+    b = find_reclaiming(a, rsize, c);
     if (!b && a->opts.growable) {
       st = grow(a, rsize);
       if (st == IA_OK) b = find_free(a, rsize);

@@ -45,12 +45,13 @@
  * memory), and a thread mostly frees and reallocates the same tensor sizes on its own stream. A
  * cache never makes a pool grow (the arena takes the caches' blocks back first), so what it costs is
  * unmerged free blocks, bounded per thread by these sizes (and by 1,024 blocks, which bounds the
- * work of taking them back). The small pool's blocks are 1 MiB at most and a thread keeps up to
- * 16 of its 2 MiB regions' worth: fewer trips to the lock per operation matter most when threads
- * outnumber cores (benchmarks/RESULTS.md, issue 19: 16, 32 and 64 MiB measured). In the large pool
- * only blocks up to 8 MiB are kept, where the lock's cost is not yet negligible beside the work on
- * the tensor. */
-#define SMALL_THREAD_CACHE (32 * MiB)
+ * work of taking them back). A pool grows only while the caches are empty, so their blocks are its
+ * slack: a larger cache keeps more of it unmerged and sends more requests to take blocks back one by
+ * one. Measured on the plugin's path (benchmarks/RESULTS.md, issue 19), 16 MiB beat 8, 32 and 64
+ * MiB at one and at four threads. The small pool's blocks are 1 MiB at most; in the large pool only
+ * blocks up to 8 MiB are kept, where the lock's cost is not yet negligible beside the work on the
+ * tensor. */
+#define SMALL_THREAD_CACHE (16 * MiB)
 #define LARGE_THREAD_CACHE (32 * MiB)
 #define LARGE_THREAD_CACHE_BLOCK (8 * MiB)
 

@@ -181,6 +181,31 @@ def test_a_thread_gives_its_cached_blocks_back_when_it_ends():
         assert one_free_block(a) and a.stats()["free_blocks"] == 1
 
 
+def test_a_request_the_arena_cannot_serve_takes_back_only_what_it_needs():
+    with cached_arena(2 * MiB) as a:
+        ps = [a.allocate(512 * KiB, S1) for _ in range(4)]  # the arena is full
+        for p in ps:
+            a.free(p, S1)  # all four kept by this thread's cache
+        q = a.allocate(512 * KiB, S2)  # not S2's to reuse from the cache: the arena takes one back
+        assert q in ps
+        s = a.stats()
+        assert s["free_blocks"] == 3 and s["free_bytes"] == 3 * 512 * KiB  # the other three still cached
+        a.free(q, S2)
+        a.check()
+
+
+def test_cached_blocks_never_make_a_growable_arena_grow():
+    with cached_arena(0, growable=True, region_min=2 * MiB) as a:
+        ps = [a.allocate(512 * KiB) for _ in range(4)]  # one 2 MiB region, full
+        for p in ps:
+            a.free(p)  # cached, unmerged: no single block holds 1.5 MiB
+        big = a.allocate(3 * 512 * KiB)  # they come back and merge before the arena may grow
+        s = a.stats()
+        assert s["capacity"] == 2 * MiB and s["regions"] == 1 and s["backend_reserves"] == 1
+        a.free(big)
+        a.check()
+
+
 def test_release_cached_takes_cached_blocks_back_first():
     with cached_arena(0, growable=True, region_min=2 * MiB) as a:
         p = a.allocate(256 * KiB)
