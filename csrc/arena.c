@@ -535,14 +535,14 @@ static void give_back(ia_arena_t *a, block_t *b) {
   make_free(a, b, b->stream);
 }
 
-/* Every cache's free blocks come back to the arena; `held` is a cache whose lock the caller holds. */
-static void drain(ia_arena_t *a, _ia_tcache_t *held) {
+/* Every cache's free blocks come back to the arena. */
+static void drain(ia_arena_t *a) {
   for (size_t i = 0; i < a->n_caches; i++) {
     _ia_tcache_t *c = a->caches[i];
-    if (c != held) _ia_tcache_lock(c);
+    _ia_tcache_lock(c);
     fold(a, c);
     for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
-    if (c != held) _ia_tcache_unlock(c);
+    _ia_tcache_unlock(c);
   }
 }
 
@@ -786,7 +786,7 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   if (size == 0 || size > MAX_REQUEST || addr % a->opts.alignment) return IA_ERR_INVALID_ARGUMENT;
   size_t rsize = _ia_align_up(size, a->opts.alignment);
   pthread_mutex_lock(&a->lock);
-  drain(a, NULL); /* the range may lie in blocks that threads keep */
+  drain(a); /* the range may lie in blocks that threads keep */
   region_t *r = region_of(a, addr);
   block_t *b = r ? r->first : NULL;
   while (b && b->addr + b->size <= addr) b = b->phys_next;
@@ -939,7 +939,7 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
 
 void _ia_arena_flush_events(ia_arena_t *a) {
   pthread_mutex_lock(&a->lock);
-  drain(a, NULL); /* frees kept by threads need their events now too */
+  drain(a); /* frees kept by threads need their events now too */
   for (region_t *r = a->regions; r; r = r->next)
     for (block_t *b = r->first; b; b = b->phys_next) {
       if (!b->is_free || b->stream == IA_STREAM_NONE) continue;
@@ -984,7 +984,7 @@ void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx)
 uint64_t ia_arena_release_cached(ia_arena_t *a) {
   if (!a->opts.growable) return 0;
   pthread_mutex_lock(&a->lock);
-  if (!capturing(a)) drain(a, NULL); /* a region may be free but for blocks that threads keep */
+  if (!capturing(a)) drain(a); /* a region may be free but for blocks that threads keep */
   uint64_t released = release_free_regions(a);
   pthread_mutex_unlock(&a->lock);
   return released;

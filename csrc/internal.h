@@ -199,8 +199,8 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
  * thread, keeps them in the cache without the arena's lock, and an allocation on the same stream
  * takes one back the same way. The arena sees a lent block as not free, so it neither hands it out
  * nor merges it until the cache gives it back: when the cache holds more free bytes than its limit
- * (largest blocks first), when the thread exits, and whenever the arena needs its exact free state
- * (arena.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
+ * (largest blocks first), when a request fits nowhere else, when the thread exits, and whenever the
+ * arena needs its merged free state (arena.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
  * lock, then its caches' locks; a cache's owner takes its cache's lock alone on the fast path. */
 
 /* The fast path's counters, which the arena adds into its own under both locks (fold). */

@@ -16,9 +16,10 @@
  *
  * Giving back. The arena takes free blocks out of a cache (evict, largest first, since large
  * blocks are the least likely to be asked for again at their exact class and hold the most memory)
- * when the cache passes its limit, when the thread exits (a pthread key's destructor, which also
- * runs on pthread_exit and cancellation), and all of them (drain) whenever it needs its exact free
- * state. Until then a cached block is free but merges with no neighbour.
+ * when the cache passes its limit, one by one when a request fits nowhere else, all of them when
+ * the thread exits (a pthread key's destructor, which also runs on pthread_exit and cancellation)
+ * and whenever the arena needs its merged free state (drain). Until then a cached block is free
+ * but merges with no neighbour.
  *
  * Locks. A cache's lock is a spinlock its own thread takes on every fast operation; anyone else
  * takes it only while holding the arena's lock, which the fast path never waits for while holding
