@@ -19,7 +19,8 @@ on one thread:
   plugin lays out a device: the workspace arena fixed (``growable=False``) at the workspace
   budget, so that the trace's own peak and fragmentation come back exactly; general events (pool
   small, large, or unknown as in RMM logs: routed by size, <= 1 MiB small) on growable arenas with
-  the plugin's region sizes (2 MiB small regions; 20 MiB under 10 MiB, 2 MiB multiples above).
+  the plugin's region sizes (2 MiB small regions; 20 MiB under 10 MiB, 2 MiB multiples above)
+  and its per-thread caches of freed blocks (a trace recorded on several threads replays as one).
 
 Peak device memory is the largest ``cudaMemGetInfo`` used-memory delta from just before the replay,
 sampled every ``--sample-every`` events, after every allocation of ``--sample-bytes`` or more and
@@ -230,8 +231,12 @@ def host_arena(pool: int, budget: int, alignment: int, device: int):
     name = f"host {device} {POOL_NAMES[pool]}"
     if pool == WORKSPACE:
         return Arena(budget, alignment, "host", growable=False, name=name)
+    # As csrc/plugin.c makes the general pools, thread caches included: a replay runs on one
+    # thread, as a trace of a process that allocated on one thread ran.
     return Arena(0, 512, "host", growable=True, region_min=(2 if pool == SMALL else 20) * MiB,
-                 region_round=2 * MiB, region_exact_above=None if pool == SMALL else 10 * MiB, name=name)
+                 region_round=2 * MiB, region_exact_above=None if pool == SMALL else 10 * MiB, name=name,
+                 thread_cache=(16 if pool == SMALL else 32) * MiB,
+                 thread_cache_block=(1 if pool == SMALL else 8) * MiB)
 
 
 def replay_host(trace: TraceFile, *, budget: int | None = None, alignment: int = 256,

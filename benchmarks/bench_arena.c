@@ -2,25 +2,37 @@
  *
  * Each thread keeps a window of live blocks and, per pair, frees a random one and allocates a new
  * one of a random size (log-uniform, 16 B to 1 MiB), so the arena always holds a realistic mix of
- * live blocks and holes. glibc malloc/free runs the same sequence as a reference.
- * usage: bench_arena THREADS PAIRS_PER_THREAD REPEATS   prints one line per (allocator, run). */
+ * live blocks and holes. All threads share one arena. ALLOCATOR is "arena", with thread caches of
+ * THREAD_CACHE_MIB per thread (blocks up to 1 MiB, as the plugin's small pool), "locked", the same
+ * arena without them (every operation takes the arena's lock), "plugin", the process-scope
+ * plugin's general pools on host memory (ia_torch_alloc/ia_torch_free: pools by size, a free finds
+ * its arena in the region registry; their thread caches are the plugin's), or "malloc", glibc
+ * malloc/free on the same sequence. One allocator per process: glibc's heap adapts its thresholds to what ran
+ * before in the process (the arena's own bookkeeping included), which would bias the reference;
+ * benchmarks/bench_arena.py runs the processes in a rotated order.
+ * usage: bench_arena arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
+ *        prints one line "allocator threads ns_per_pair" per repeat. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "arena.h"
 
 #define WINDOW 256
 
+enum { MALLOC = 0, ARENA = 1, LOCKED = 2, PLUGIN = 3, KINDS = 4 };
+static const char *const names[KINDS] = {"malloc", "arena", "locked", "plugin"};
+
 typedef struct {
-  int use_arena;
+  int use_arena; /* one of the above */
   long pairs;
   uint64_t seed;
   double ns;
 } job_t;
 
-static ia_arena_t *arena;
+static ia_arena_t *arenas[KINDS]; /* [ARENA] or [LOCKED] */
 static pthread_barrier_t start;
 
 static uint64_t next_random(uint64_t *s) {
@@ -38,12 +50,14 @@ static size_t random_size(uint64_t *rng) {
 
 static void *get(int use_arena, size_t size, ia_stream_t stream) {
   if (!use_arena) return malloc(size);
+  if (use_arena == PLUGIN) return ia_torch_alloc(size, 0, (void *)stream, NULL); /* aborts when refused */
   void *p;
-  return ia_arena_alloc(arena, size, stream, &p) == IA_OK ? p : NULL;
+  return ia_arena_alloc(arenas[use_arena], size, stream, &p) == IA_OK ? p : NULL;
 }
 
 static void put(int use_arena, void *p, ia_stream_t stream) {
-  if (use_arena) ia_arena_free(arena, p, stream);
+  if (use_arena == PLUGIN) ia_torch_free(p);
+  else if (use_arena) ia_arena_free(arenas[use_arena], p, stream);
   else free(p);
 }
 
@@ -57,13 +71,18 @@ static void *run(void *arg) {
   /* Sizes drawn ahead, so the timed loop measures the allocator and not the generator. */
   size_t *draws = malloc(sizeof *draws * 4096);
   for (int i = 0; i < 4096; i++) draws[i] = random_size(&rng);
-  pthread_barrier_wait(&start);
+  /* A quarter of the pairs untimed first: a fresh process's allocator (tables, caches, glibc's
+   * adaptive thresholds) settles before the clock starts. */
+  long warm = job->pairs / 4;
   struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (long n = 0; n < job->pairs; n++) {
-    unsigned slot = (unsigned)(n * 2654435761u >> 7) % WINDOW;
+  for (long n = -warm; n < job->pairs; n++) {
+    if (n == 0) {
+      pthread_barrier_wait(&start);
+      clock_gettime(CLOCK_MONOTONIC, &t0);
+    }
+    unsigned slot = (unsigned)((unsigned long)n * 2654435761u >> 7) % WINDOW;
     put(job->use_arena, live[slot], stream);
-    live[slot] = get(job->use_arena, draws[n & 4095], stream);
+    live[slot] = get(job->use_arena, draws[(unsigned long)n & 4095], stream);
     if (!live[slot]) {
       fprintf(stderr, "allocation failed\n");
       exit(1);
@@ -77,39 +96,70 @@ static void *run(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 4) {
-    fprintf(stderr, "usage: %s THREADS PAIRS_PER_THREAD REPEATS\n", argv[0]);
+  int use_arena = -1;
+  for (int k = 0; argc >= 5 && k < KINDS; k++)
+    if (!strcmp(argv[1], names[k])) use_arena = k;
+  if ((argc != 5 && argc != 6) || use_arena < 0) {
+    fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n",
+            argv[0]);
     return 2;
   }
-  int threads = atoi(argv[1]);
-  long pairs = atol(argv[2]);
-  int repeats = atoi(argv[3]);
-  ia_backend_t *backend;
-  ia_arena_options_t opts;
-  ia_arena_default_options(&opts);
-  opts.capacity = (size_t)1 << 30;
-  if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) return 3;
-  pthread_barrier_init(&start, NULL, (unsigned)threads);
-  for (int rep = 0; rep < repeats; rep++)
-    for (int use_arena = 1; use_arena >= 0; use_arena--) {
-      job_t jobs[64];
-      pthread_t tid[64];
-      for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){.use_arena = use_arena, .pairs = pairs, .seed = 0x9E3779B97F4A7C15ull * (uint64_t)(t + 1)};
-        pthread_create(&tid[t], NULL, run, &jobs[t]);
-      }
-      double worst = 0;
-      for (int t = 0; t < threads; t++) {
-        pthread_join(tid[t], NULL);
-        if (jobs[t].ns > worst) worst = jobs[t].ns;
-      }
-      printf("%s %d %.2f\n", use_arena ? "arena" : "malloc", threads, worst);
-    }
-  char msg[256];
-  if (!ia_arena_check(arena, msg, sizeof msg)) {
-    fprintf(stderr, "invariant broken: %s\n", msg);
-    return 1;
+  int threads = atoi(argv[2]);
+  long pairs = atol(argv[3]);
+  int repeats = atoi(argv[4]);
+  size_t cache = argc == 6 ? (size_t)atol(argv[5]) << 20 : (size_t)16 << 20; /* the plugin's small pool */
+  if (threads < 1 || threads > 64) return 2;
+  if (use_arena == PLUGIN) {
+    ia_plugin_config_t c = {.scope = IA_SCOPE_PROCESS, .budget = (size_t)64 << 20, .alignment = 256, .host_memory = 1};
+    if (ia_plugin_configure(&c) != IA_OK || ia_plugin_reserve(0) != IA_OK) return 3;
+    arenas[PLUGIN] = ia_plugin_arena(0, IA_POOL_SMALL);
+  } else if (use_arena) {
+    ia_backend_t *backend;
+    ia_arena_options_t opts;
+    ia_arena_default_options(&opts);
+    opts.capacity = (size_t)1 << 30;
+    opts.thread_cache = use_arena == ARENA ? cache : 0;
+    if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arenas[use_arena]) != IA_OK)
+      return 3;
   }
-  ia_arena_destroy(arena);
+  pthread_barrier_init(&start, NULL, (unsigned)threads);
+  for (int rep = 0; rep < repeats; rep++) {
+    job_t jobs[64];
+    pthread_t tid[64];
+    for (int t = 0; t < threads; t++) {
+      jobs[t] = (job_t){.use_arena = use_arena, .pairs = pairs, .seed = 0x9E3779B97F4A7C15ull * (uint64_t)(t + 1)};
+      pthread_create(&tid[t], NULL, run, &jobs[t]);
+    }
+    double worst = 0;
+    for (int t = 0; t < threads; t++) {
+      pthread_join(tid[t], NULL);
+      if (jobs[t].ns > worst) worst = jobs[t].ns;
+    }
+    printf("%s %d %.2f\n", names[use_arena], threads, worst);
+  }
+  if (use_arena) {
+    char msg[256];
+    if (use_arena == PLUGIN) { /* the large pool too; the plugin's arenas live with the process */
+      ia_arena_t *large = ia_plugin_arena(0, IA_POOL_LARGE);
+      ia_stats_t s;
+      ia_arena_stats(large, &s);
+      if (!ia_arena_check(large, msg, sizeof msg) || s.in_use) {
+        fprintf(stderr, "plugin's large pool: %s, %lu bytes in use\n", msg, (unsigned long)s.in_use);
+        return 1;
+      }
+    }
+    if (!ia_arena_check(arenas[use_arena], msg, sizeof msg)) {
+      fprintf(stderr, "invariant broken: %s\n", msg);
+      return 1;
+    }
+    ia_stats_t s;
+    ia_arena_stats(arenas[use_arena], &s);
+    if (s.in_use || s.free_blocks != s.regions) { /* the threads ended: their caches gave all back */
+      fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[use_arena],
+              (unsigned long)s.in_use, (unsigned long)s.free_blocks);
+      return 1;
+    }
+    if (use_arena != PLUGIN) ia_arena_destroy(arenas[use_arena]);
+  }
   return 0;
 }

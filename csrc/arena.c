@@ -24,9 +24,18 @@
  * completed, makes the allocating stream wait on it. Merging two free blocks freed on different
  * streams orders one stream after the other the same way, so a free block has a single stream.
  *
+ * Threads. With thread_cache set, each thread has a cache of the blocks it allocated
+ * (thread_cache.c): its own frees and same-stream reuse of them skip this file's lock. The arena
+ * sees a block lent to a cache as not free. A request it cannot serve takes cached blocks back one
+ * by one until it fits, so that it grows or refuses only once no cache keeps any; anything that
+ * needs its merged free state (allocation at an address, releasing regions, recording events
+ * before a capture) takes every cache's free blocks back (drain); destruction forgets them.
+ * Statistics, the block list and the invariant walk change nothing: they add the caches' counters
+ * (fold) and count the blocks free in caches as free blocks of their own.
+ *
  * Locking: one mutex per arena (adaptive: it spins briefly before sleeping) guards everything in
- * it, taken once per public call. Backend calls made while growing or ordering streams happen
- * under it; they never call back into the arena.
+ * it, taken once per public call that is not served by a thread cache. Backend calls made while
+ * growing or ordering streams happen under it; they never call back into the arena.
  */
 #define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <pthread.h>
@@ -36,36 +45,19 @@
 
 #include "internal.h"
 
-#define SL_BITS 5
-#define SL_COUNT (1u << SL_BITS)
-#define ALIGN_SHIFT 4
-#define FL_SHIFT (SL_BITS + ALIGN_SHIFT)
-#define SMALL_LIMIT ((size_t)1 << FL_SHIFT)
-#define FL_COUNT (64 - FL_SHIFT + 1)
+#define SL_COUNT IA_SL_COUNT
+#define FL_COUNT IA_FL_COUNT
+#define ALIGN_SHIFT IA_ALIGN_SHIFT
 #define SLAB_BLOCKS 256
 /* Blocks looked at per class list before settling; bounds the search whatever the list length. */
 #define SCAN_LIMIT 16
 /* No reservation comes near this; above it the class arithmetic could overflow. */
 #define MAX_REQUEST ((size_t)1 << 62)
 
-typedef struct region region_t;
+typedef _ia_region_t region_t;
+typedef _ia_block_t block_t; /* internal.h: thread caches hold blocks too */
 
-typedef struct block {
-  uintptr_t addr;
-  size_t size;
-  size_t requested;
-  struct block *phys_prev, *phys_next;
-  struct block *free_prev, *free_next; /* bin links while free; slab free list while unused */
-  region_t *region;
-  ia_stream_t stream;
-  uint64_t free_seq;
-  ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
-  uint32_t n_uses, cap_uses;
-  uint16_t fl, sl;
-  bool is_free;
-} block_t;
-
-struct region {
+struct _ia_region {
   void *raw;
   size_t raw_size;
   uintptr_t base;
@@ -97,8 +89,7 @@ struct ia_arena {
   uint32_t sl_bitmap[FL_COUNT];
   block_t *bins[FL_COUNT][SL_COUNT];
 
-  block_t **table; /* live blocks by address: open addressing, linear probing */
-  size_t table_mask, table_count;
+  _ia_table_t table; /* every block not free here: live, or lent to a thread cache */
 
   slab_t *slabs;
   block_t *spare_blocks;
@@ -107,20 +98,26 @@ struct ia_arena {
   size_t n_streams, cap_streams;
   uint64_t free_seq;
 
+  _ia_tcache_t **caches; /* the threads' caches of this arena */
+  size_t n_caches, cap_caches;
+
   ia_totals_t *totals;
   const _Atomic int *captures; /* the device's capture count, when it has one */
   _ia_region_hook_t on_region;
   void *on_region_ctx;
-  ia_trace_t *trace;
-  int32_t trace_device;
-  uint8_t trace_pool;
+  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
+  ia_trace_t *_Atomic trace;
+  _Atomic uint64_t trace_tag;
 
   ia_stats_t stats;
 };
 
 static inline void trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
                          ia_stream_t stream) {
-  if (a->trace) _ia_trace_record(a->trace, action, a->trace_device, a->trace_pool, address, size, stream);
+  ia_trace_t *t = atomic_load_explicit(&a->trace, memory_order_acquire);
+  if (!t) return;
+  uint64_t tag = atomic_load_explicit(&a->trace_tag, memory_order_relaxed);
+  _ia_trace_record(t, action, (int32_t)(tag >> 8), (uint8_t)tag, address, size, stream);
 }
 
 void _ia_assert_fail(const char *cond, const char *file, int line) {
@@ -162,24 +159,11 @@ void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
   pthread_mutex_unlock(&a->lock);
 }
 
-/* ---- size classes ----------------------------------------------------------------------------- */
-
-static inline unsigned log2_floor(size_t n) { return 63u - (unsigned)__builtin_clzll(n); }
-
-static void class_of(size_t size, unsigned *fl, unsigned *sl) {
-  if (size < SMALL_LIMIT) {
-    *fl = 0;
-    *sl = (unsigned)(size >> ALIGN_SHIFT);
-  } else {
-    unsigned f = log2_floor(size);
-    *sl = (unsigned)(size >> (f - SL_BITS)) ^ SL_COUNT;
-    *fl = f - (FL_SHIFT - 1);
-  }
-}
+/* ---- free classes (the size classes are in internal.h) ---------------------------------------- */
 
 static void bin_insert(ia_arena_t *a, block_t *b) {
   unsigned fl, sl;
-  class_of(b->size, &fl, &sl);
+  _ia_class_of(b->size, &fl, &sl);
   b->fl = (uint16_t)fl;
   b->sl = (uint16_t)sl;
   b->free_prev = NULL;
@@ -232,7 +216,7 @@ static bool next_class(const ia_arena_t *a, unsigned *fl, unsigned *sl) {
 
 static block_t *find_free(ia_arena_t *a, size_t size) {
   unsigned fl, sl;
-  class_of(size, &fl, &sl);
+  _ia_class_of(size, &fl, &sl);
   block_t *own = a->bins[fl][sl];
   block_t *b = smallest_fitting(own, size, SCAN_LIMIT);
   if (b) return b;
@@ -267,44 +251,44 @@ static void block_delete(ia_arena_t *a, block_t *b) {
   a->spare_blocks = b;
 }
 
-/* ---- live-block table ------------------------------------------------------------------------- */
+/* ---- block tables (internal.h) ---------------------------------------------------------------- */
 
-static inline size_t slot_of(const ia_arena_t *a, uintptr_t addr) {
-  return (size_t)(((uint64_t)addr >> ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & a->table_mask;
+static inline size_t slot_of(const _ia_table_t *t, uintptr_t addr) {
+  return (size_t)(((uint64_t)addr >> ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & t->mask;
 }
 
-static bool table_grow(ia_arena_t *a) {
-  size_t old_size = a->table ? a->table_mask + 1 : 0;
+static bool table_grow(_ia_table_t *t) {
+  size_t old_size = t->slots ? t->mask + 1 : 0;
   size_t new_size = old_size ? old_size * 2 : 1024;
-  block_t **t = calloc(new_size, sizeof *t);
-  if (!t) return false;
-  block_t **old = a->table;
-  a->table = t;
-  a->table_mask = new_size - 1;
+  block_t **slots = calloc(new_size, sizeof *slots);
+  if (!slots) return false;
+  block_t **old = t->slots;
+  t->slots = slots;
+  t->mask = new_size - 1;
   for (size_t i = 0; i < old_size; i++) {
     if (!old[i]) continue;
-    size_t j = slot_of(a, old[i]->addr);
-    while (t[j]) j = (j + 1) & a->table_mask;
-    t[j] = old[i];
+    size_t j = slot_of(t, old[i]->addr);
+    while (slots[j]) j = (j + 1) & t->mask;
+    slots[j] = old[i];
   }
   free(old);
   return true;
 }
 
-static bool table_insert(ia_arena_t *a, block_t *b) {
-  if (!a->table || (a->table_count + 1) * 2 > a->table_mask + 1)
-    if (!table_grow(a)) return false;
-  size_t i = slot_of(a, b->addr);
-  while (a->table[i]) i = (i + 1) & a->table_mask;
-  a->table[i] = b;
-  a->table_count++;
+bool _ia_table_insert(_ia_table_t *t, block_t *b) {
+  if (!t->slots || (t->count + 1) * 2 > t->mask + 1)
+    if (!table_grow(t)) return false;
+  size_t i = slot_of(t, b->addr);
+  while (t->slots[i]) i = (i + 1) & t->mask;
+  t->slots[i] = b;
+  t->count++;
   return true;
 }
 
-static block_t *table_find(const ia_arena_t *a, uintptr_t addr, size_t *slot) {
-  if (!a->table) return NULL;
-  for (size_t i = slot_of(a, addr);; i = (i + 1) & a->table_mask) {
-    block_t *b = a->table[i];
+block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr, size_t *slot) {
+  if (!t->slots) return NULL;
+  for (size_t i = slot_of(t, addr);; i = (i + 1) & t->mask) {
+    block_t *b = t->slots[i];
     if (!b) return NULL;
     if (b->addr == addr) {
       if (slot) *slot = i;
@@ -314,21 +298,27 @@ static block_t *table_find(const ia_arena_t *a, uintptr_t addr, size_t *slot) {
 }
 
 /* Backward-shift deletion keeps probe chains intact without tombstones. */
-static void table_remove_slot(ia_arena_t *a, size_t hole) {
+void _ia_table_remove_slot(_ia_table_t *t, size_t hole) {
   size_t i = hole;
   for (;;) {
-    i = (i + 1) & a->table_mask;
-    block_t *b = a->table[i];
+    i = (i + 1) & t->mask;
+    block_t *b = t->slots[i];
     if (!b) break;
-    size_t home = slot_of(a, b->addr);
+    size_t home = slot_of(t, b->addr);
     bool movable = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
     if (movable) {
-      a->table[hole] = b;
+      t->slots[hole] = b;
       hole = i;
     }
   }
-  a->table[hole] = NULL;
-  a->table_count--;
+  t->slots[hole] = NULL;
+  t->count--;
+}
+
+void _ia_table_remove(_ia_table_t *t, block_t *b) {
+  size_t slot;
+  ia_assert(_ia_table_find(t, b->addr, &slot) == b);
+  _ia_table_remove_slot(t, slot);
 }
 
 /* ---- regions ---------------------------------------------------------------------------------- */
@@ -503,7 +493,7 @@ static ia_status_t order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t fr
   return IA_OK;
 }
 
-/* ---- public operations ------------------------------------------------------------------------ */
+/* ---- thread caches: the arena's side (thread_cache.c holds the caches) ------------------------- */
 
 #if IA_DEBUG
 static void debug_check(ia_arena_t *a);
@@ -512,9 +502,131 @@ static void debug_check(ia_arena_t *a);
 #define DEBUG_CHECK(a) ((void)0)
 #endif
 
+static bool caching(const ia_arena_t *a, size_t size) {
+  return a->opts.thread_cache && size <= a->opts.thread_cache_block;
+}
+
+static _ia_tcache_t *my_cache(ia_arena_t *a, bool create) {
+  return _ia_tcache_mine(a, a->opts.thread_cache, a->opts.thread_cache_block, create);
+}
+
+bool _ia_arena_attach_cache(ia_arena_t *a, _ia_tcache_t *c) {
+  pthread_mutex_lock(&a->lock);
+  bool room = a->n_caches < a->cap_caches;
+  if (!room) {
+    size_t cap = a->cap_caches ? a->cap_caches * 2 : 4;
+    _ia_tcache_t **grown = realloc(a->caches, cap * sizeof *grown);
+    if ((room = grown != NULL)) {
+      a->caches = grown;
+      a->cap_caches = cap;
+    }
+  }
+  if (room) a->caches[a->n_caches++] = c;
+  pthread_mutex_unlock(&a->lock);
+  return room;
+}
+
+/* Adds what the cache's fast path counted into the arena's statistics (both locks held). The peak
+ * is raised by the most the cache's thread held since the last fold: exact with one thread; with
+ * several, it can miss or overstate by what the other threads' caches moved since their folds,
+ * which is bounded by their thread_cache bytes. The device totals are exact: the fast path keeps
+ * them itself. */
+static void fold(ia_arena_t *a, _ia_tcache_t *c) {
+  _ia_tcache_counts_t k = _ia_tcache_fold(c);
+  ia_stats_t *s = &a->stats;
+  uint64_t high = s->in_use + (uint64_t)k.in_use_high;
+  if (high > s->in_use_peak) s->in_use_peak = high;
+  s->in_use += (uint64_t)k.in_use;
+  s->requested += (uint64_t)k.requested;
+  s->blocks_in_use += (uint64_t)k.blocks;
+  s->requests_served += k.served;
+  s->frees += k.frees;
+  s->allocated_total += k.allocated_total;
+  s->freed_total += k.freed_total;
+  if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
+}
+
+static void make_free(ia_arena_t *a, block_t *b, ia_stream_t stream);
+
+/* A block a cache gave back: it was counted as free already (fold), so it only rejoins the classes. */
+static void give_back(ia_arena_t *a, block_t *b) {
+  _ia_table_remove(&a->table, b);
+  make_free(a, b, b->stream);
+}
+
+/* Every cache's free blocks come back to the arena. */
+static void drain(ia_arena_t *a) {
+  for (size_t i = 0; i < a->n_caches; i++) {
+    _ia_tcache_t *c = a->caches[i];
+    _ia_tcache_lock(c);
+    fold(a, c);
+    for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
+    _ia_tcache_unlock(c);
+  }
+}
+
+/* A request the arena's free blocks cannot serve takes blocks back from the threads' caches, one
+ * at a time, largest first, the calling thread's own cache (`mine`, locked by the caller) first,
+ * until it fits or no cache keeps any: only then may the arena grow or refuse. Taking all of them
+ * back at once would empty caches whose threads fill them again at once; in a pool grown to just
+ * what it needs, where the caches' blocks are all its slack, that happened at nearly every miss. */
+static block_t *find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine) {
+  block_t *b = find_free(a, rsize);
+  for (size_t i = 0; !b && i <= a->n_caches;) {
+    _ia_tcache_t *c = i == 0 ? mine : a->caches[i - 1];
+    if (!c || (i > 0 && c == mine)) {
+      i++;
+      continue;
+    }
+    if (c != mine) _ia_tcache_lock(c);
+    block_t *taken = _ia_tcache_evict(c, true);
+    if (c != mine) _ia_tcache_unlock(c);
+    if (!taken) {
+      i++;
+      continue;
+    }
+    give_back(a, taken);
+    b = find_free(a, rsize);
+  }
+  return b;
+}
+
+static void fold_all(ia_arena_t *a) {
+  for (size_t i = 0; i < a->n_caches; i++) {
+    _ia_tcache_lock(a->caches[i]);
+    fold(a, a->caches[i]);
+    _ia_tcache_unlock(a->caches[i]);
+  }
+}
+
+/* A cache past its limit: its largest free blocks come back until it is within. */
+static void trim(ia_arena_t *a, _ia_tcache_t *c) {
+  for (block_t *b; (b = _ia_tcache_evict(c, false));) give_back(a, b);
+}
+
+void _ia_arena_cache_exit(ia_arena_t *a, _ia_tcache_t *c) {
+  pthread_mutex_lock(&a->lock);
+  _ia_tcache_lock(c);
+  fold(a, c);
+  for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
+  /* What the thread still has handed out is live; its frees now go through the arena's lock. */
+  _ia_tcache_unlend_all(c);
+  _ia_tcache_unlock(c);
+  for (size_t i = 0; i < a->n_caches; i++)
+    if (a->caches[i] == c) a->caches[i] = a->caches[--a->n_caches];
+  DEBUG_CHECK(a);
+  pthread_mutex_unlock(&a->lock);
+}
+
+/* ---- public operations ------------------------------------------------------------------------ */
+
 void ia_arena_default_options(ia_arena_options_t *o) {
+  /* No thread caches by default: the arena's placement stays exactly best fit and every free
+   * merges at once. Callers that share an arena between threads turn them on (the plugin's
+   * general pools do: csrc/plugin.c says with what sizes and why). */
   *o = (ia_arena_options_t){.alignment = 256, .region_round = (size_t)2 << 20,
-                            .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX};
+                            .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX,
+                            .thread_cache = 0, .thread_cache_block = (size_t)1 << 20};
 }
 
 ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backend, ia_arena_t **out) {
@@ -524,6 +636,7 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
    * regions whose blocks cannot tile them. */
   if (!opts || !_ia_is_pow2(opts->alignment) || opts->alignment < 16 || opts->alignment > MAX_REQUEST ||
       (!opts->growable && opts->capacity == 0) || opts->capacity > MAX_REQUEST ||
+      opts->thread_cache > MAX_REQUEST || opts->thread_cache_block > MAX_REQUEST ||
       (opts->growable && (!_ia_is_pow2(opts->region_round) || opts->region_round < opts->alignment ||
                           opts->region_round > MAX_REQUEST || opts->region_min > MAX_REQUEST ||
                           opts->region_min % opts->alignment))) {
@@ -543,6 +656,7 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
   pthread_mutex_init(&a->lock, &attr);
   pthread_mutexattr_destroy(&attr);
   a->opts = *opts;
+  if (!opts->thread_cache_block) a->opts.thread_cache = 0; /* nothing could be kept */
   a->backend = backend;
   if (opts->capacity) {
     ia_status_t st = region_add(a, _ia_align_up(opts->capacity, opts->alignment));
@@ -561,6 +675,21 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
 
 void ia_arena_destroy(ia_arena_t *a) {
   if (!a) return;
+  /* Threads may still hold caches of this arena: each is orphaned (told its arena is gone, its
+   * blocks forgotten) under the registry lock, which an exiting thread holds while it follows its
+   * cache's arena pointer; the thread frees the cache later. */
+  if (a->opts.thread_cache) {
+    _ia_tcache_registry_lock();
+    pthread_mutex_lock(&a->lock);
+    for (size_t i = 0; i < a->n_caches; i++) {
+      _ia_tcache_lock(a->caches[i]);
+      _ia_tcache_orphan(a->caches[i]);
+      _ia_tcache_unlock(a->caches[i]);
+    }
+    a->n_caches = 0;
+    pthread_mutex_unlock(&a->lock);
+    _ia_tcache_registry_unlock();
+  }
   while (a->regions) region_drop(a, a->regions);
   for (size_t i = 0; i < a->n_streams; i++) a->backend->event_destroy(a->backend, a->streams[i].event);
   for (slab_t *s = a->slabs, *next; s; s = next) {
@@ -569,8 +698,9 @@ void ia_arena_destroy(ia_arena_t *a) {
     free(s);
   }
   ia_backend_destroy(a->backend);
+  free(a->caches);
   free(a->streams);
-  free(a->table);
+  free(a->table.slots);
   pthread_mutex_destroy(&a->lock);
   free(a);
 }
@@ -609,30 +739,58 @@ static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_st
   trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
 }
 
+/* The thread-cache fast path's share of what the arena would have done under its lock. */
+static void after_cached_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr, size_t size,
+                            uint64_t bytes, ia_stream_t stream) {
+  totals_add(a, action == IA_TRACE_ALLOC ? (int64_t)bytes : -(int64_t)bytes, 0);
+  trace(a, action, addr, size, stream);
+#if IA_DEBUG
+  pthread_mutex_lock(&a->lock);
+  DEBUG_CHECK(a);
+  pthread_mutex_unlock(&a->lock);
+#endif
+}
+
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
   if (size == 0) return IA_OK;
+  _ia_tcache_t *c = NULL;
+  if (caching(a, size) && (c = my_cache(a, true))) {
+    block_t *b = _ia_tcache_take(c, _ia_align_up(size, a->opts.alignment), size, stream);
+    if (b) { /* handed out to this caller alone: addr and size are stable to read */
+      after_cached_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, stream);
+      *out = (void *)b->addr;
+      return IA_OK;
+    }
+  }
   pthread_mutex_lock(&a->lock);
+  if (c) {
+    _ia_tcache_lock(c);
+    fold(a, c);
+    trim(a, c);
+  }
   ia_status_t st = IA_ERR_OUT_OF_MEMORY;
   block_t *b = NULL;
   if (size <= MAX_REQUEST) {
     size_t rsize = _ia_align_up(size, a->opts.alignment);
-    b = find_free(a, rsize);
+    b = find_reclaiming(a, rsize, c);
     if (!b && a->opts.growable) {
       st = grow(a, rsize);
       if (st == IA_OK) b = find_free(a, rsize);
     }
     if (b) {
       st = order_after(a, stream, b->stream, b->free_seq);
-      if (st == IA_OK && !table_insert(a, b)) st = IA_ERR_NO_HOST_MEMORY;
+      if (st == IA_OK && !_ia_table_insert(&a->table, b)) st = IA_ERR_NO_HOST_MEMORY;
       if (st != IA_OK) b = NULL;
     }
     if (b) {
       bin_remove(a, b);
       hand_out(a, b, rsize, size, stream);
+      if (c) _ia_tcache_lend(c, b); /* its free, on this thread, then skips the lock */
       *out = (void *)b->addr;
     }
   }
+  if (c) _ia_tcache_unlock(c);
   if (!b) {
     a->stats.requests_failed++;
     trace(a, IA_TRACE_FAIL, 0, size, stream);
@@ -647,6 +805,7 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   if (size == 0 || size > MAX_REQUEST || addr % a->opts.alignment) return IA_ERR_INVALID_ARGUMENT;
   size_t rsize = _ia_align_up(size, a->opts.alignment);
   pthread_mutex_lock(&a->lock);
+  drain(a); /* the range may lie in blocks that threads keep */
   region_t *r = region_of(a, addr);
   block_t *b = r ? r->first : NULL;
   while (b && b->addr + b->size <= addr) b = b->phys_next;
@@ -655,7 +814,7 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   block_t *rest = NULL;
   if (st == IA_OK && b->addr < addr && !(rest = block_new(a))) st = IA_ERR_NO_HOST_MEMORY;
   if (rest) rest->addr = addr; /* the table files a block by its address alone */
-  if (st == IA_OK && !table_insert(a, rest ? rest : b)) st = IA_ERR_NO_HOST_MEMORY;
+  if (st == IA_OK && !_ia_table_insert(&a->table, rest ? rest : b)) st = IA_ERR_NO_HOST_MEMORY;
   if (st == IA_OK) bin_remove(a, b);
   if (st == IA_OK && rest) { /* the part before `at` stays a free block of its own */
     *rest = (block_t){.addr = addr, .size = b->addr + b->size - addr, .region = b->region, .stream = b->stream,
@@ -681,32 +840,10 @@ static void merge_into(ia_arena_t *a, block_t *left, block_t *right) {
   block_delete(a, right);
 }
 
-ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
-  if (!ptr) return IA_OK;
-  pthread_mutex_lock(&a->lock);
-  size_t slot;
-  block_t *b = table_find(a, (uintptr_t)ptr, &slot);
-  if (!b) {
-    a->stats.bad_frees++;
-    ia_status_t st = region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
-    pthread_mutex_unlock(&a->lock);
-    return st;
-  }
-  if (stream == IA_STREAM_NONE) stream = b->stream;
-  /* Ordering failures below cannot be handed back to the caller without leaking the block; the
-   * streams involved are broken anyway, so they stop the process instead. */
-  for (uint32_t i = 0; i < b->n_uses; i++)
-    ia_assert(order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
-  b->n_uses = 0;
-  table_remove_slot(a, slot);
-  ia_stats_t *s = &a->stats;
-  s->in_use -= b->size;
-  totals_add(a, -(int64_t)b->size, 0);
-  s->requested -= b->requested;
-  s->blocks_in_use--;
-  s->frees++;
-  s->freed_total += b->size;
-  trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
+/* A block out of the table, its counters settled, becomes free on `stream` and merges with its free
+ * neighbours. Ordering failures cannot be handed back to the caller without leaking the block; the
+ * streams involved are broken anyway, so they stop the process instead. */
+static void make_free(ia_arena_t *a, block_t *b, ia_stream_t stream) {
   b->is_free = true;
   b->requested = 0;
   b->stream = stream;
@@ -726,6 +863,65 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
     merge_into(a, b, next);
   }
   bin_insert(a, b);
+}
+
+ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  if (!ptr) return IA_OK;
+  _ia_tcache_t *c = a->opts.thread_cache ? my_cache(a, false) : NULL;
+  if (c) {
+    size_t size;
+    ia_stream_t freed_on;
+    _ia_tcache_put_t kept = _ia_tcache_put(c, (uintptr_t)ptr, stream, &size, &freed_on);
+    if (kept == IA_TC_KEPT || kept == IA_TC_KEPT_FULL) {
+      after_cached_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, freed_on);
+      if (kept == IA_TC_KEPT_FULL) {
+        pthread_mutex_lock(&a->lock);
+        _ia_tcache_lock(c);
+        fold(a, c);
+        trim(a, c);
+        _ia_tcache_unlock(c);
+        DEBUG_CHECK(a);
+        pthread_mutex_unlock(&a->lock);
+      }
+      return IA_OK;
+    }
+    if (kept == IA_TC_DOUBLE_FREE) {
+      pthread_mutex_lock(&a->lock);
+      a->stats.bad_frees++;
+      pthread_mutex_unlock(&a->lock);
+      return IA_ERR_DOUBLE_FREE;
+    }
+  }
+  pthread_mutex_lock(&a->lock);
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
+  ia_status_t st = b ? IA_OK : region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
+  if (b && b->cache) { /* lent: freed by another thread, or with other streams recorded on it */
+    _ia_tcache_t *owner = b->cache;
+    _ia_tcache_lock(owner);
+    fold(a, owner); /* so that the counters include the block the cache handed out */
+    if (b->cached) st = IA_ERR_DOUBLE_FREE;
+    else _ia_tcache_unlend(owner, b);
+    _ia_tcache_unlock(owner);
+  }
+  if (st != IA_OK) {
+    a->stats.bad_frees++;
+    pthread_mutex_unlock(&a->lock);
+    return st;
+  }
+  if (stream == IA_STREAM_NONE) stream = b->stream;
+  for (uint32_t i = 0; i < b->n_uses; i++)
+    ia_assert(order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
+  b->n_uses = 0;
+  _ia_table_remove(&a->table, b);
+  ia_stats_t *s = &a->stats;
+  s->in_use -= b->size;
+  totals_add(a, -(int64_t)b->size, 0);
+  s->requested -= b->requested;
+  s->blocks_in_use--;
+  s->frees++;
+  s->freed_total += b->size;
+  trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
+  make_free(a, b, stream);
   DEBUG_CHECK(a);
   pthread_mutex_unlock(&a->lock);
   return IA_OK;
@@ -734,8 +930,10 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
 ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   pthread_mutex_lock(&a->lock);
   ia_status_t st = IA_OK;
-  block_t *b = table_find(a, (uintptr_t)ptr, NULL);
-  if (!b) {
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
+  _ia_tcache_t *owner = b ? b->cache : NULL;
+  if (owner) _ia_tcache_lock(owner); /* a lent block's streams are its cache's to read */
+  if (!b || (owner && b->cached)) {
     st = region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
   } else if (stream != b->stream) {
     bool known = false;
@@ -753,12 +951,14 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
       if (st == IA_OK) b->uses[b->n_uses++] = stream;
     }
   }
+  if (owner) _ia_tcache_unlock(owner);
   pthread_mutex_unlock(&a->lock);
   return st;
 }
 
 void _ia_arena_flush_events(ia_arena_t *a) {
   pthread_mutex_lock(&a->lock);
+  drain(a); /* frees kept by threads need their events now too */
   for (region_t *r = a->regions; r; r = r->next)
     for (block_t *b = r->first; b; b = b->phys_next) {
       if (!b->is_free || b->stream == IA_STREAM_NONE) continue;
@@ -779,13 +979,17 @@ bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
 
 bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
   pthread_mutex_lock(&a->lock);
-  block_t *b = table_find(a, (uintptr_t)ptr, NULL);
-  if (b) {
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
+  if (b && b->cache) _ia_tcache_lock(b->cache);
+  bool live = b && !(b->cache && b->cached);
+  if (live) {
     *stream = b->stream;
     *other_streams = b->n_uses;
   }
+  if (b && b->cache) _ia_tcache_unlock(b->cache);
   pthread_mutex_unlock(&a->lock);
-  return b != NULL;
+  return live;
+
 }
 
 void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx) {
@@ -799,6 +1003,7 @@ void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx)
 uint64_t ia_arena_release_cached(ia_arena_t *a) {
   if (!a->opts.growable) return 0;
   pthread_mutex_lock(&a->lock);
+  if (!capturing(a)) drain(a); /* a region may be free but for blocks that threads keep */
   uint64_t released = release_free_regions(a);
   pthread_mutex_unlock(&a->lock);
   return released;
@@ -818,24 +1023,41 @@ size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
 
 static uint64_t largest_free_locked(const ia_arena_t *a) {
   if (!a->fl_bitmap) return 0;
-  unsigned fl = log2_floor(a->fl_bitmap);
-  unsigned sl = log2_floor(a->sl_bitmap[fl]);
+  unsigned fl = _ia_log2_floor(a->fl_bitmap);
+  unsigned sl = _ia_log2_floor(a->sl_bitmap[fl]);
   uint64_t largest = 0;
   for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)
     if (b->size > largest) largest = b->size;
   return largest;
 }
 
+/* Blocks kept by thread caches count as free (they are, to PyTorch's allocated-versus-reserved
+ * view), each as the block it is: they have not merged with their neighbours. */
 void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
   pthread_mutex_lock(&a->lock);
+  uint64_t cached_bytes = 0, cached_blocks = 0, cached_largest = 0;
+  for (size_t i = 0; i < a->n_caches; i++) {
+    uint64_t bytes, blocks, largest;
+    _ia_tcache_lock(a->caches[i]);
+    fold(a, a->caches[i]);
+    _ia_tcache_free_info(a->caches[i], &bytes, &blocks, &largest);
+    _ia_tcache_unlock(a->caches[i]);
+    cached_bytes += bytes;
+    cached_blocks += blocks;
+    if (largest > cached_largest) cached_largest = largest;
+  }
   *out = a->stats;
   out->largest_free = largest_free_locked(a);
   pthread_mutex_unlock(&a->lock);
+  out->free_bytes += cached_bytes;
+  out->free_blocks += cached_blocks;
+  if (cached_largest > out->largest_free) out->largest_free = cached_largest;
   out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
 }
 
 void ia_arena_reset_peaks(ia_arena_t *a) {
   pthread_mutex_lock(&a->lock);
+  fold_all(a);
   a->stats.in_use_peak = a->stats.in_use;
   a->stats.capacity_peak = a->stats.capacity;
   pthread_mutex_unlock(&a->lock);
@@ -850,26 +1072,29 @@ size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
   return n;
 }
 
+/* A block a thread cache keeps is listed as the free block it is (it may neighbour another), as
+ * ia_arena_stats counts it: looking does not change the arena. */
 size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
   pthread_mutex_lock(&a->lock);
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_lock(a->caches[i]);
   size_t n = 0;
   uint32_t index = 0;
   for (region_t *r = a->regions; r; r = r->next, index++)
     for (block_t *b = r->first; b; b = b->phys_next, n++)
       if (n < cap)
         out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
-                                   .region_base = r->base, .region = index, .is_free = b->is_free,
-                                   .stream = b->stream};
+                                   .region_base = r->base, .region = index,
+                                   .is_free = b->is_free || (b->cache && b->cached), .stream = b->stream};
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_unlock(a->caches[i]);
   pthread_mutex_unlock(&a->lock);
   return n;
 }
 
 void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
   pthread_mutex_lock(&a->lock);
-  bool attaching = t && t != a->trace;
-  a->trace = t;
-  a->trace_device = device;
-  a->trace_pool = pool;
+  bool attaching = t && t != atomic_load(&a->trace);
+  atomic_store(&a->trace_tag, (uint64_t)(uint32_t)device << 8 | pool);
+  atomic_store_explicit(&a->trace, t, memory_order_release);
   /* A trace starts with the regions already held, so a consumer knows the arena's layout. */
   for (region_t *r = attaching ? a->regions : NULL; r; r = r->next)
     trace(a, IA_TRACE_RESERVE, r->base, r->size, IA_STREAM_NONE);
@@ -884,9 +1109,17 @@ void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t po
     }                                                                                               \
   } while (0)
 
+static bool is_my_cache(const ia_arena_t *a, const _ia_tcache_t *c) {
+  for (size_t i = 0; i < a->n_caches; i++)
+    if (a->caches[i] == c) return true;
+  return false;
+}
+
+/* Under the arena's lock and every cache's. A block lent to a cache and free in it counts as free
+ * but sits in no class of the arena and may neighbour a free block. */
 static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
-  uint64_t in_use = 0, free_bytes = 0, capacity = 0, requested = 0;
-  size_t live = 0, free_count = 0, binned = 0, n_regions = 0;
+  uint64_t in_use = 0, free_bytes = 0, capacity = 0, requested = 0, cached_bytes = 0;
+  size_t live = 0, free_count = 0, binned = 0, n_regions = 0, lent = 0, cached = 0;
   for (region_t *r = a->regions; r; r = r->next, n_regions++) {
     CHECK(r->base % a->opts.alignment == 0, "region %#lx is not aligned", (unsigned long)r->base);
     CHECK(r->first && r->first->addr == r->base && !r->first->phys_prev,
@@ -904,8 +1137,9 @@ static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
       if (b->is_free) {
         CHECK(!b->phys_next || !b->phys_next->is_free, "free blocks %#lx and %#lx are neighbours",
               (unsigned long)b->addr, (unsigned long)b->phys_next->addr);
+        CHECK(!b->cache, "free block %#lx is lent to a thread cache", (unsigned long)b->addr);
         unsigned fl, sl;
-        class_of(b->size, &fl, &sl);
+        _ia_class_of(b->size, &fl, &sl);
         CHECK(b->fl == fl && b->sl == sl, "free block %#lx filed in the wrong class",
               (unsigned long)b->addr);
         bool found = false;
@@ -914,11 +1148,23 @@ static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
         free_bytes += b->size;
         free_count++;
       } else {
-        CHECK(table_find(a, b->addr, NULL) == b, "live block %#lx missing from the live table",
+        CHECK(_ia_table_find(&a->table, b->addr, NULL) == b, "live block %#lx missing from the live table",
               (unsigned long)b->addr);
-        in_use += b->size;
-        requested += b->requested;
-        live++;
+        if (b->cache) {
+          CHECK(is_my_cache(a, b->cache) && _ia_tcache_holds(b->cache, b),
+                "block %#lx is lent to a cache that does not hold it", (unsigned long)b->addr);
+          lent++;
+        } else {
+          CHECK(!b->cached, "block %#lx is free in a cache it is not lent to", (unsigned long)b->addr);
+        }
+        if (b->cache && b->cached) {
+          cached_bytes += b->size;
+          cached++;
+        } else {
+          in_use += b->size;
+          requested += b->requested;
+          live++;
+        }
       }
     }
     CHECK(expect == r->base + r->size, "blocks of region %#lx cover %zu of %zu bytes",
@@ -932,8 +1178,22 @@ static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
       for (block_t *x = a->bins[fl][sl]; x; x = x->free_next, binned++)
         CHECK(x->is_free, "live block %#lx sits in a free class", (unsigned long)x->addr);
     }
+  uint64_t listed_bytes = 0, listed = 0;
+  size_t held = 0;
+  for (size_t i = 0; i < a->n_caches; i++) {
+    uint64_t bytes, blocks, largest;
+    if (!_ia_tcache_check(a->caches[i], msg, msg_len)) goto broken;
+    _ia_tcache_free_info(a->caches[i], &bytes, &blocks, &largest);
+    listed_bytes += bytes;
+    listed += blocks;
+    held += _ia_tcache_lent(a->caches[i]);
+  }
+  CHECK(held == lent, "thread caches hold %zu blocks, %zu blocks are lent", held, lent);
+  CHECK(listed == cached && listed_bytes == cached_bytes, "thread caches list %lu free blocks, the "
+        "regions have %zu", (unsigned long)listed, cached);
   CHECK(binned == free_count, "%zu blocks in classes, %zu free blocks in regions", binned, free_count);
-  CHECK(live == a->table_count, "%zu live blocks, %zu in the live table", live, a->table_count);
+  CHECK(live + cached == a->table.count, "%zu live blocks, %zu in the live table", live + cached,
+        a->table.count);
   CHECK(n_regions == a->stats.regions && capacity == a->stats.capacity, "region counters are off");
   CHECK(in_use == a->stats.in_use && live == a->stats.blocks_in_use && requested == a->stats.requested,
         "in-use counters are off: walked %lu bytes in %zu blocks, counted %lu in %lu",
@@ -947,9 +1207,20 @@ broken:
   return false;
 }
 
+/* Caches are locked (and folded, so that the counters compare) for the whole walk. */
+static bool check_with_caches(ia_arena_t *a, char *msg, size_t msg_len) {
+  for (size_t i = 0; i < a->n_caches; i++) {
+    _ia_tcache_lock(a->caches[i]);
+    fold(a, a->caches[i]);
+  }
+  bool ok = check_locked(a, msg, msg_len);
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_unlock(a->caches[i]);
+  return ok;
+}
+
 bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
   pthread_mutex_lock(&a->lock);
-  bool ok = check_locked(a, msg, msg_len);
+  bool ok = check_with_caches(a, msg, msg_len);
   pthread_mutex_unlock(&a->lock);
   return ok;
 }
@@ -957,6 +1228,6 @@ bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
 #if IA_DEBUG
 static void debug_check(ia_arena_t *a) {
   char msg[512];
-  if (!check_locked(a, msg, sizeof msg)) _ia_assert_fail(msg, __FILE__, __LINE__);
+  if (!check_with_caches(a, msg, sizeof msg)) _ia_assert_fail(msg, __FILE__, __LINE__);
 }
 #endif

@@ -167,6 +167,15 @@ typedef struct ia_arena_options {
   size_t region_exact_above;
   /* Growable mode: most bytes the regions may hold together (0: no limit). */
   size_t limit;
+  /* Thread caches (0: none, the default). Each thread keeps up to thread_cache bytes of the blocks
+   * it frees, of thread_cache_block bytes or less, for its own next allocations on the same stream,
+   * and frees and reuses them without taking the arena's lock (csrc/thread_cache.c). A kept block
+   * counts as free, not in use (ia_arena_stats, ia_arena_blocks); it is given back when the
+   * thread exits, past the limit, and before the arena grows, refuses a request, allocates at an
+   * address or releases regions. The price: until given back it merges with no neighbour, and a
+   * cache hit may hand out a block up to 1/32 larger than best fit would (same size class). */
+  size_t thread_cache;
+  size_t thread_cache_block;
 } ia_arena_options_t;
 
 typedef struct ia_block_info {

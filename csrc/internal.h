@@ -133,6 +133,126 @@ void _ia_graph_add_stats(int device, ia_stats_t *sum);
 ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,
                                      ia_backend_t **out);
 
+/* ---- Block headers, the address table and thread caches: between arena.c and thread_cache.c ---- */
+
+/* Size classes (TLSF's, Masmano et al. 2004): below 512 bytes one class per 16 bytes, above that
+ * every power of two split 32 ways. */
+#define IA_SL_BITS 5
+#define IA_SL_COUNT (1u << IA_SL_BITS)
+#define IA_ALIGN_SHIFT 4
+#define IA_FL_SHIFT (IA_SL_BITS + IA_ALIGN_SHIFT)
+#define IA_FL_COUNT (64 - IA_FL_SHIFT + 1)
+
+static inline unsigned _ia_log2_floor(size_t n) { return 63u - (unsigned)__builtin_clzll(n); }
+
+static inline void _ia_class_of(size_t size, unsigned *fl, unsigned *sl) {
+  if (size < ((size_t)1 << IA_FL_SHIFT)) {
+    *fl = 0;
+    *sl = (unsigned)(size >> IA_ALIGN_SHIFT);
+  } else {
+    unsigned f = _ia_log2_floor(size);
+    *sl = (unsigned)(size >> (f - IA_SL_BITS)) ^ IA_SL_COUNT;
+    *fl = f - (IA_FL_SHIFT - 1);
+  }
+}
+
+typedef struct _ia_tcache _ia_tcache_t;
+typedef struct _ia_region _ia_region_t;
+
+/* One block of a region, kept in host memory (the region is usually device memory). */
+typedef struct _ia_block {
+  uintptr_t addr;
+  size_t size;
+  size_t requested;
+  struct _ia_block *phys_prev, *phys_next;
+  /* Free in the arena: its class list there. Free in a thread cache: the cache's class list.
+   * Unused header: the slab's spare list. */
+  struct _ia_block *free_prev, *free_next;
+  _ia_region_t *region;
+  ia_stream_t stream;
+  uint64_t free_seq;
+  ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
+  uint32_t n_uses, cap_uses;
+  /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
+   * arena's lock and the cache's; while lent, the fields above except addr, size and the physical
+   * links belong to the cache (its lock), and the arena neither splits nor merges the block. */
+  _ia_tcache_t *cache;
+  uint16_t fl, sl;
+  bool is_free; /* in one of the arena's classes */
+  bool cached;  /* lent and free in its cache: handed out by no one */
+} _ia_block_t;
+
+/* Blocks by address: open addressing, linear probing, backward-shift deletion. The arena's table
+ * holds every block it does not have free (live and lent ones); a cache's, the blocks lent to it. */
+typedef struct {
+  _ia_block_t **slots;
+  size_t mask, count;
+} _ia_table_t;
+
+bool _ia_table_insert(_ia_table_t *t, _ia_block_t *b); /* false: no memory to grow it */
+_ia_block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr, size_t *slot);
+void _ia_table_remove_slot(_ia_table_t *t, size_t slot);
+void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
+
+/* Thread caches (thread_cache.c). A thread that allocates from an arena with thread_cache set gets
+ * a cache for it: the blocks it allocates are lent to the cache, so that their free, on the same
+ * thread, keeps them in the cache without the arena's lock, and an allocation on the same stream
+ * takes one back the same way. The arena sees a lent block as not free, so it neither hands it out
+ * nor merges it until the cache gives it back: when the cache holds more free bytes than its limit
+ * (largest blocks first), when a request fits nowhere else, when the thread exits, and whenever the
+ * arena needs its merged free state (arena.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
+ * lock, then its caches' locks; a cache's owner takes its cache's lock alone on the fast path. */
+
+/* The fast path's counters, which the arena adds into its own under both locks (fold). */
+typedef struct {
+  int64_t in_use, requested, blocks; /* changes since the last fold */
+  int64_t in_use_high;               /* the most in_use reached since the last fold */
+  uint64_t served, frees, allocated_total, freed_total;
+} _ia_tcache_counts_t;
+
+/* The calling thread's cache for the arena; with `create`, made on first use (NULL when the thread
+ * is exiting or memory is short). Caches keep free blocks of up to block_max bytes, limit bytes in
+ * all. Finding one takes no lock; making one takes the arena's lock to join its list
+ * (_ia_arena_attach_cache), never the registry lock, so it may run under another arena's lock. */
+_ia_tcache_t *_ia_tcache_mine(ia_arena_t *arena, size_t limit, size_t block_max, bool create);
+bool _ia_arena_attach_cache(ia_arena_t *arena, _ia_tcache_t *cache);
+/* Thread exit, under the registry lock: the arena takes back everything the cache holds. */
+void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
+
+/* The fast path; each takes and drops the cache's lock itself. take: a free block of the cache for
+ * rsize bytes on `stream` (same stream, same size class), now handed out; NULL when it has none.
+ * put: keeps a block handed out from the cache, freed on `stream`, as free in it. */
+_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream);
+typedef enum {
+  IA_TC_KEPT,        /* kept as free in the cache */
+  IA_TC_KEPT_FULL,   /* kept, and the cache now holds more than it should: the arena trims it */
+  IA_TC_DOUBLE_FREE, /* the block is free in the cache already */
+  IA_TC_PASS         /* not the cache's to keep (not lent to it, or other streams recorded on it) */
+} _ia_tcache_put_t;
+_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, size_t *size,
+                                ia_stream_t *freed_on);
+
+/* The arena's side, under the arena's lock. */
+void _ia_tcache_lock(_ia_tcache_t *c);
+void _ia_tcache_unlock(_ia_tcache_t *c);
+/* The rest also under the cache's lock. */
+_ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c); /* returns the counts and zeroes them */
+bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b); /* false: b stays the arena's */
+void _ia_tcache_unlend(_ia_tcache_t *c, _ia_block_t *b);
+/* A free block of the cache, out of it and no longer lent (the oldest of the largest class), while
+ * the cache keeps more than its limit, or while it keeps any with `all`; else NULL. */
+_ia_block_t *_ia_tcache_evict(_ia_tcache_t *c, bool all);
+void _ia_tcache_free_info(const _ia_tcache_t *c, uint64_t *bytes, uint64_t *blocks, uint64_t *largest);
+bool _ia_tcache_holds(const _ia_tcache_t *c, const _ia_block_t *b); /* lent to it */
+size_t _ia_tcache_lent(const _ia_tcache_t *c); /* blocks lent to it */
+bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len);
+/* Thread exit: every block still lent to the cache is handed out; they become the arena's. */
+void _ia_tcache_unlend_all(_ia_tcache_t *c);
+/* The arena is going: the cache forgets its blocks and its arena (its thread frees it later). */
+void _ia_tcache_orphan(_ia_tcache_t *c);
+void _ia_tcache_registry_lock(void);
+void _ia_tcache_registry_unlock(void);
+
 void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t device, uint8_t pool,
                       uintptr_t address, uint64_t size, ia_stream_t stream);
 

@@ -30,8 +30,15 @@ def build_harness(tmp_path, extra_flags=(), harness="stress"):
     return exe, subprocess.run(cmd, capture_output=True, text=True)
 
 
-def run_harness(exe, threads, ops, capacity_mib):
-    done = subprocess.run([str(exe), str(threads), str(ops), str(capacity_mib)], capture_output=True,
+# The stress runs go with and without thread caches (csrc/thread_cache.c): with them, a thread's
+# frees and reuses skip the arena's lock, the mailbox's blocks are freed by other threads than the
+# ones whose caches hold them, and the threads' exits must give every cached block back.
+CACHE = pytest.mark.parametrize("cache_kib", [None, 256], ids=["no-cache", "thread-cache"])
+
+
+def run_harness(exe, threads, ops, capacity_mib, cache_kib=None):
+    cache = [] if cache_kib is None else [str(cache_kib)]
+    done = subprocess.run([str(exe), str(threads), str(ops), str(capacity_mib), *cache], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr + done.stdout
     fields = done.stdout.split()
@@ -39,35 +46,71 @@ def run_harness(exe, threads, ops, capacity_mib):
     return int(fields[1]), int(fields[7])  # ops, allocations served
 
 
-def test_c_threads_a_million_operations(tmp_path):
+@CACHE
+def test_c_threads_a_million_operations(tmp_path, cache_kib):
     exe, built = build_harness(tmp_path)
     assert built.returncode == 0, built.stderr
-    ops, served = run_harness(exe, threads=4, ops=300_000, capacity_mib=64)
+    ops, served = run_harness(exe, threads=4, ops=300_000, capacity_mib=64, cache_kib=cache_kib)
     assert ops == 1_200_000
     assert served > 400_000
 
 
-def test_c_threads_under_thread_sanitizer(tmp_path):
+@CACHE
+def test_c_threads_under_thread_sanitizer(tmp_path, cache_kib):
     exe, built = build_harness(tmp_path, ["-fsanitize=thread", "-g"])
     if built.returncode != 0:
         pytest.skip(f"this toolchain cannot build with -fsanitize=thread: {built.stderr[-300:]}")
-    env_check = subprocess.run([str(exe), "4", "20000", "16"], capture_output=True, text=True,
+    cache = [] if cache_kib is None else [str(cache_kib)]
+    env_check = subprocess.run([str(exe), "4", "20000", "16", *cache], capture_output=True, text=True,
                                timeout=600)
     assert env_check.returncode == 0, env_check.stderr
     assert "ThreadSanitizer" not in env_check.stderr, env_check.stderr
 
 
-def test_c_threads_with_the_invariant_walk_after_every_operation(tmp_path):
+@CACHE
+def test_c_threads_with_the_invariant_walk_after_every_operation(tmp_path, cache_kib):
     exe, built = build_harness(tmp_path, ["-DIA_DEBUG=1"])
     assert built.returncode == 0, built.stderr
-    run_harness(exe, threads=4, ops=3_000, capacity_mib=1)
+    run_harness(exe, threads=4, ops=3_000, capacity_mib=1, cache_kib=cache_kib)
 
 
-def test_c_threads_with_a_tight_arena(tmp_path):
-    """A small arena makes threads hit out-of-memory and fragmentation all the time."""
+@CACHE
+def test_c_threads_with_a_tight_arena(tmp_path, cache_kib):
+    """A small arena makes threads hit out-of-memory and fragmentation all the time (with caches:
+    requests that fit only once the threads' cached blocks are taken back)."""
     exe, built = build_harness(tmp_path)
     assert built.returncode == 0, built.stderr
-    run_harness(exe, threads=4, ops=100_000, capacity_mib=1)
+    run_harness(exe, threads=4, ops=100_000, capacity_mib=1, cache_kib=cache_kib)
+
+
+EXIT_BUILDS = {
+    "plain": ([], ("12", "20000"), ("10", "5000")),
+    "invariant-walk": (["-DIA_DEBUG=1"], ("3", "500"), ("3", "300")),
+    "thread-sanitizer": (["-fsanitize=thread", "-g"], ("6", "3000"), ("6", "3000")),
+    "address-sanitizer": (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
+                          ("6", "3000"), ("6", "3000")),
+}
+
+
+@pytest.mark.parametrize("build", list(EXIT_BUILDS))
+@pytest.mark.parametrize("mode", ["churn", "destroy"])
+def test_c_threads_that_end_while_their_caches_hold_blocks(tmp_path, build, mode):
+    """tests/stress/thread_exit.c: workers with thread caches return, pthread_exit or are cancelled
+    mid-loop (churn), or see their arena destroyed and replaced while their caches hold blocks
+    (destroy); an ownership map catches a block handed out twice, canaries catch overwrites, the
+    invariant walk runs while they work, and at the end the arena is one free block."""
+    flags, churn, destroy = EXIT_BUILDS[build]
+    exe, built = build_harness(tmp_path, flags, harness="thread_exit")
+    if built.returncode != 0 and "sanitizer" in build:
+        pytest.skip(f"this toolchain cannot build with {build}: {built.stderr[-300:]}")
+    assert built.returncode == 0, built.stderr
+    rounds, ops = churn if mode == "churn" else destroy
+    done = subprocess.run([str(exe), mode, "4", rounds, ops], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr[-3000:]
+    assert "ThreadSanitizer" not in done.stderr and "AddressSanitizer" not in done.stderr, done.stderr
+    fields = done.stdout.split()
+    if mode == "churn":  # every way of ending happened
+        assert all(int(fields[fields.index(word) - 1]) > 0 for word in ("returned", "exited", "cancelled"))
 
 
 @pytest.mark.parametrize("flags", [(), ("-DIA_DEBUG=1",), ("-fsanitize=thread", "-g")],
@@ -86,8 +129,9 @@ def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
 
 
 def test_random_operation_sequences_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """tests/stress/fuzz.c: random sequences on a fixed and a growable arena and on the plugin's
-    graph pools (host memory), invariant walks along the way; seeds fixed, so a failure replays.
+    """tests/stress/fuzz.c: random sequences on a fixed and a growable arena, each with and without
+    thread caches, and on the plugin's pools (host memory), invariant walks along the way; seeds
+    fixed, so a failure replays.
     Seed 4 found a carve-out giving memory back during a capture, which recorded an event on the
     capturing stream."""
     exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",

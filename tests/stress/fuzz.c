@@ -1,5 +1,6 @@
 /* Random operation sequences against the core, for a build with -fsanitize=address,undefined:
- * a fixed and a growable arena on the host backend (allocations of any size on a few streams,
+ * a fixed and a growable arena on the host backend, each with and without thread caches
+ * (allocations of any size on a few streams,
  * frees of live, freed, interior and foreign pointers, record_stream, release_cached, allocation
  * at an address, stream completion), and the plugin's graph pools on host memory (begin, a
  * simulated capture, allocations in the pool and eagerly, frees held back and run, release,
@@ -78,6 +79,8 @@ static void arena_step(subject_t *s, long op) {
         int i = (int)below((size_t)s->n);
         if (ia_arena_free(s->arena, s->live[i], below(5) ? stream : STREAM_NONE) != IA_OK)
           fail("free of a live block", op);
+        if (!below(8) && ia_arena_free(s->arena, s->live[i], stream) != IA_ERR_DOUBLE_FREE)
+          fail("a second free was not refused", op);
         s->live[i] = s->live[--s->n];
       }
       break;
@@ -212,25 +215,26 @@ int main(int argc, char **argv) {
   rng_state = strtoull(argv[1], NULL, 10);
   long ops = atol(argv[2]);
   refused_creations();
-  subject_t subjects[2] = {{0}};
-  for (int i = 0; i < 2; i++) {
+  subject_t subjects[4] = {{0}}; /* fixed, growable; the same two with thread caches */
+  for (int i = 0; i < 4; i++) {
     ia_arena_options_t o;
     ia_arena_default_options(&o);
-    o.alignment = (size_t)256 << i;
-    if (i == 0) o.capacity = 16 << 20;
+    o.alignment = (size_t)256 << (i & 1);
+    if (!(i & 1)) o.capacity = 16 << 20;
     else o.growable = true, o.region_min = 2 << 20, o.region_exact_above = 4 << 20, o.limit = 64 << 20;
+    if (i >= 2) o.thread_cache = (size_t)(i & 1 ? 8 : 2) << 20;
     if (ia_host_backend_create(128 << 20, &subjects[i].host) != IA_OK) return 1;
-    ia_host_set_auto_complete(subjects[i].host, i == 0);
+    ia_host_set_auto_complete(subjects[i].host, !(i & 1));
     if (ia_arena_create(&o, subjects[i].host, &subjects[i].arena) != IA_OK) return 1;
   }
   ia_plugin_config_t c = {.budget = 32 << 20, .alignment = 256, .host_memory = 1, .raise_oom = raise_oom};
   if (ia_plugin_configure(&c) != IA_OK) return 1;
   for (long op = 0; op < ops; op++) {
-    int which = (int)below(3);
-    if (which < 2) arena_step(&subjects[which], op);
+    int which = (int)below(6);
+    if (which < 4) arena_step(&subjects[which], op);
     else plugin_step(op);
   }
-  for (int i = 0; i < 2; i++) {
+  for (int i = 0; i < 4; i++) {
     drain(&subjects[i], ops);
     ia_arena_destroy(subjects[i].arena);
   }

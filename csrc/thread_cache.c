@@ -1,0 +1,367 @@
+/* Per-thread caches of free blocks: what lets threads share an arena without queueing on its lock.
+ *
+ * Why. Every allocation and free took the arena's one mutex; four threads sharing an arena spent
+ * their time waiting for it (17x glibc's time per operation, benchmarks/RESULTS.md, issue 19), and
+ * even one thread paid a third of its time for the uncontended lock. A cache lets the common case,
+ * a thread freeing what it allocated and allocating again on the same stream, skip the arena.
+ *
+ * What a cache holds. Every block a thread allocates from the arena (of block_max bytes or less)
+ * is lent to that thread's cache: the cache's table knows it, so the thread's own free of it finds
+ * it without the arena. Freed, it stays lent and is free in the cache, on one class list (the
+ * arena's size classes) and remembering the stream it was freed on; the thread's next allocation of
+ * that class on that stream takes it back (stream order protects a block reused by its own stream,
+ * so no event is needed), larger than asked by at most the class's width (1/32). A block with other
+ * streams recorded on it, a block freed by another thread, and anything the cache cannot serve go
+ * to the arena under its lock as before (arena.c).
+ *
+ * Giving back. The arena takes free blocks out of a cache (evict, largest first, since large
+ * blocks are the least likely to be asked for again at their exact class and hold the most memory)
+ * when the cache passes its limit, one by one when a request fits nowhere else, all of them when
+ * the thread exits (a pthread key's destructor, which also runs on pthread_exit and cancellation)
+ * and whenever the arena needs its merged free state (drain). Until then a cached block is free
+ * but merges with no neighbour.
+ *
+ * Locks. A cache's lock is a spinlock its own thread takes on every fast operation; anyone else
+ * takes it only while holding the arena's lock, which the fast path never waits for while holding
+ * the cache's, so the order is always arena, then cache. The registry lock orders thread exit
+ * against arena destruction: an exiting thread may only follow its cache's arena pointer while the
+ * arena cannot be destroyed, and a destroyed arena orphans its caches (arena pointer NULL, blocks
+ * forgotten) for their threads to free. The fast path takes neither.
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Blocks looked at on one class list per allocation: the list mixes streams and sizes of a class. */
+#define SCAN_LIMIT 8
+/* Free blocks a cache keeps at most, whatever their bytes: bounds a drain's work under the lock. */
+#define MAX_BLOCKS 1024
+
+struct _ia_tcache {
+  _Atomic int lock;
+  ia_arena_t *_Atomic arena; /* NULL once the arena is destroyed */
+  _ia_table_t lent;          /* every block lent to the cache, free in it or handed out */
+  size_t limit, block_max;
+  unsigned fl_count;         /* classes 0 .. fl_count - 1 of the first level exist */
+  uint64_t free_bytes, free_blocks;
+  _ia_tcache_counts_t counts;
+  _ia_tcache_t *next;        /* the thread's caches */
+  uint64_t fl_map;
+  uint32_t *sl_map;          /* [fl] */
+  _ia_block_t **heads, **tails; /* [fl * IA_SL_COUNT + sl]: newest first */
+};
+
+/* The calling thread's caches, one per arena it allocated from. */
+static __thread struct {
+  _ia_tcache_t *caches;
+  bool exiting;
+} mine;
+
+static pthread_mutex_t registry = PTHREAD_MUTEX_INITIALIZER;
+static pthread_key_t exit_key;
+static bool exit_key_made;
+static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
+
+void _ia_tcache_registry_lock(void) { pthread_mutex_lock(&registry); }
+void _ia_tcache_registry_unlock(void) { pthread_mutex_unlock(&registry); }
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
+/* Contended only by a drain or an exit of another thread, which are short; yields so that an
+ * oversubscribed machine lets the holder run. */
+void _ia_tcache_lock(_ia_tcache_t *c) {
+  unsigned spins = 0;
+  while (atomic_exchange_explicit(&c->lock, 1, memory_order_acquire))
+    while (atomic_load_explicit(&c->lock, memory_order_relaxed)) {
+      if (++spins < 64) cpu_relax();
+      else sched_yield();
+    }
+}
+
+void _ia_tcache_unlock(_ia_tcache_t *c) { atomic_store_explicit(&c->lock, 0, memory_order_release); }
+
+/* ---- class lists ---------------------------------------------------------------------------- */
+
+static void list_push(_ia_tcache_t *c, _ia_block_t *b) {
+  unsigned fl, sl;
+  _ia_class_of(b->size, &fl, &sl);
+  size_t i = (size_t)fl * IA_SL_COUNT + sl;
+  b->fl = (uint16_t)fl;
+  b->sl = (uint16_t)sl;
+  b->free_prev = NULL;
+  b->free_next = c->heads[i];
+  if (b->free_next) b->free_next->free_prev = b;
+  else c->tails[i] = b;
+  c->heads[i] = b;
+  c->fl_map |= 1ull << fl;
+  c->sl_map[fl] |= 1u << sl;
+  c->free_bytes += b->size;
+  c->free_blocks++;
+}
+
+static void list_remove(_ia_tcache_t *c, _ia_block_t *b) {
+  size_t i = (size_t)b->fl * IA_SL_COUNT + b->sl;
+  if (b->free_prev) b->free_prev->free_next = b->free_next;
+  else c->heads[i] = b->free_next;
+  if (b->free_next) b->free_next->free_prev = b->free_prev;
+  else c->tails[i] = b->free_prev;
+  if (!c->heads[i]) {
+    c->sl_map[b->fl] &= ~(1u << b->sl);
+    if (!c->sl_map[b->fl]) c->fl_map &= ~(1ull << b->fl);
+  }
+  b->free_prev = b->free_next = NULL;
+  c->free_bytes -= b->size;
+  c->free_blocks--;
+}
+
+/* ---- the fast path -------------------------------------------------------------------------- */
+
+_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream) {
+  unsigned fl, sl;
+  _ia_class_of(rsize, &fl, &sl);
+  if (fl >= c->fl_count) return NULL;
+  _ia_tcache_lock(c);
+  _ia_block_t *b = c->heads[(size_t)fl * IA_SL_COUNT + sl];
+  unsigned looked = 1;
+  while (b && (b->stream != stream || b->size < rsize)) b = looked++ < SCAN_LIMIT ? b->free_next : NULL;
+  if (b) {
+    list_remove(c, b);
+    b->cached = false;
+    b->requested = requested;
+    _ia_tcache_counts_t *k = &c->counts;
+    k->in_use += (int64_t)b->size;
+    if (k->in_use > k->in_use_high) k->in_use_high = k->in_use;
+    k->requested += (int64_t)requested;
+    k->blocks++;
+    k->served++;
+    k->allocated_total += b->size;
+  }
+  _ia_tcache_unlock(c);
+  return b;
+}
+
+_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, size_t *size,
+                                ia_stream_t *freed_on) {
+  _ia_tcache_lock(c);
+  _ia_block_t *b = _ia_table_find(&c->lent, addr, NULL);
+  _ia_tcache_put_t result = IA_TC_PASS;
+  if (b && b->cached) {
+    result = IA_TC_DOUBLE_FREE;
+  } else if (b && !b->n_uses) {
+    if (stream != IA_STREAM_NONE) b->stream = stream; /* else: the stream it was allocated on */
+    _ia_tcache_counts_t *k = &c->counts;
+    k->in_use -= (int64_t)b->size;
+    k->requested -= (int64_t)b->requested;
+    k->blocks--;
+    k->frees++;
+    k->freed_total += b->size;
+    b->requested = 0;
+    b->cached = true;
+    list_push(c, b);
+    *size = b->size;
+    *freed_on = b->stream;
+    bool full = c->free_bytes > c->limit + c->limit / 4 || c->free_blocks > MAX_BLOCKS + MAX_BLOCKS / 4;
+    result = full ? IA_TC_KEPT_FULL : IA_TC_KEPT;
+  }
+  _ia_tcache_unlock(c);
+  return result;
+}
+
+/* ---- the arena's side (its lock and the cache's held) --------------------------------------- */
+
+_ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c) {
+  _ia_tcache_counts_t k = c->counts;
+  c->counts = (_ia_tcache_counts_t){0};
+  return k;
+}
+
+bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b) {
+  if (b->size > c->block_max || !_ia_table_insert(&c->lent, b)) return false;
+  b->cache = c;
+  b->cached = false;
+  return true;
+}
+
+void _ia_tcache_unlend(_ia_tcache_t *c, _ia_block_t *b) {
+  _ia_table_remove(&c->lent, b);
+  b->cache = NULL;
+}
+
+_ia_block_t *_ia_tcache_evict(_ia_tcache_t *c, bool all) {
+  if (!c->fl_map || (!all && c->free_bytes <= c->limit && c->free_blocks <= MAX_BLOCKS)) return NULL;
+  unsigned fl = _ia_log2_floor(c->fl_map);
+  unsigned sl = _ia_log2_floor(c->sl_map[fl]);
+  _ia_block_t *b = c->tails[(size_t)fl * IA_SL_COUNT + sl]; /* the oldest of the largest class */
+  list_remove(c, b);
+  _ia_table_remove(&c->lent, b);
+  b->cache = NULL;
+  b->cached = false;
+  return b;
+}
+
+void _ia_tcache_free_info(const _ia_tcache_t *c, uint64_t *bytes, uint64_t *blocks, uint64_t *largest) {
+  *bytes = c->free_bytes;
+  *blocks = c->free_blocks;
+  *largest = 0;
+  if (!c->fl_map) return;
+  unsigned fl = _ia_log2_floor(c->fl_map);
+  for (const _ia_block_t *b = c->heads[(size_t)fl * IA_SL_COUNT + _ia_log2_floor(c->sl_map[fl])]; b;
+       b = b->free_next)
+    if (b->size > *largest) *largest = b->size;
+}
+
+bool _ia_tcache_holds(const _ia_tcache_t *c, const _ia_block_t *b) {
+  return _ia_table_find(&c->lent, b->addr, NULL) == b;
+}
+
+size_t _ia_tcache_lent(const _ia_tcache_t *c) { return c->lent.count; }
+
+void _ia_tcache_unlend_all(_ia_tcache_t *c) {
+  for (size_t i = 0; c->lent.slots && i <= c->lent.mask; i++)
+    if (c->lent.slots[i]) {
+      c->lent.slots[i]->cache = NULL;
+      c->lent.slots[i] = NULL;
+    }
+  c->lent.count = 0;
+}
+
+void _ia_tcache_orphan(_ia_tcache_t *c) {
+  free(c->lent.slots);
+  c->lent = (_ia_table_t){0};
+  memset(c->heads, 0, (size_t)c->fl_count * IA_SL_COUNT * sizeof *c->heads);
+  memset(c->tails, 0, (size_t)c->fl_count * IA_SL_COUNT * sizeof *c->tails);
+  memset(c->sl_map, 0, c->fl_count * sizeof *c->sl_map);
+  c->fl_map = c->free_bytes = c->free_blocks = 0;
+  atomic_store(&c->arena, NULL);
+}
+
+#define CHECK(cond, ...)                                                                            \
+  do {                                                                                              \
+    if (!(cond)) {                                                                                  \
+      snprintf(msg, msg_len, __VA_ARGS__);                                                          \
+      return false;                                                                                 \
+    }                                                                                               \
+  } while (0)
+
+bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len) {
+  uint64_t bytes = 0, blocks = 0;
+  for (unsigned fl = 0; fl < c->fl_count; fl++)
+    for (unsigned sl = 0; sl < IA_SL_COUNT; sl++) {
+      size_t i = (size_t)fl * IA_SL_COUNT + sl;
+      bool bit = (c->sl_map[fl] >> sl) & 1;
+      CHECK(bit == (c->heads[i] != NULL) && ((c->fl_map >> fl) & 1) == (c->sl_map[fl] != 0),
+            "a thread cache's bitmap disagrees with its class %u/%u", fl, sl);
+      const _ia_block_t *prev = NULL;
+      for (const _ia_block_t *b = c->heads[i]; b; prev = b, b = b->free_next) {
+        unsigned bfl, bsl;
+        _ia_class_of(b->size, &bfl, &bsl);
+        CHECK(b->cache == c && b->cached && !b->is_free && !b->n_uses && !b->requested,
+              "block %#lx on a thread cache's list is not free in that cache", (unsigned long)b->addr);
+        CHECK(bfl == fl && bsl == sl && b->size <= c->block_max, "block %#lx filed in the wrong class of a "
+              "thread cache", (unsigned long)b->addr);
+        CHECK(b->free_prev == prev, "broken list links at %#lx in a thread cache", (unsigned long)b->addr);
+        CHECK(_ia_tcache_holds(c, b), "free block %#lx of a thread cache is missing from its table",
+              (unsigned long)b->addr);
+        bytes += b->size;
+        blocks++;
+      }
+      CHECK(c->tails[i] == prev, "a thread cache's class %u/%u ends at the wrong block", fl, sl);
+    }
+  CHECK(bytes == c->free_bytes && blocks == c->free_blocks, "a thread cache's free counters are off");
+  size_t lent = 0;
+  for (size_t i = 0; c->lent.slots && i <= c->lent.mask; i++)
+    if (c->lent.slots[i]) {
+      CHECK(c->lent.slots[i]->cache == c, "block %#lx is in a thread cache's table but lent elsewhere",
+            (unsigned long)c->lent.slots[i]->addr);
+      lent++;
+    }
+  CHECK(lent == c->lent.count, "a thread cache's table holds %zu blocks and counts %zu", lent, c->lent.count);
+  return true;
+}
+
+/* ---- lifetime ------------------------------------------------------------------------------- */
+
+static void free_cache(_ia_tcache_t *c) {
+  free(c->lent.slots);
+  free(c);
+}
+
+/* The key's destructor: pthread runs it when the thread ends, by returning, pthread_exit or
+ * cancellation (not for the thread that calls exit(), whose memory goes with the process). */
+static void thread_exit(void *unused) {
+  (void)unused;
+  mine.exiting = true; /* a later destructor of another library that allocates gets no new cache */
+  pthread_mutex_lock(&registry);
+  for (_ia_tcache_t *c = mine.caches, *next; c; c = next) {
+    next = c->next;
+    ia_arena_t *a = atomic_load(&c->arena);
+    if (a) _ia_arena_cache_exit(a, c);
+    free_cache(c); /* an orphan was orphaned under the registry lock, which we hold: nobody has it */
+  }
+  mine.caches = NULL;
+  pthread_mutex_unlock(&registry);
+}
+
+static void make_exit_key(void) { exit_key_made = pthread_key_create(&exit_key, thread_exit) == 0; }
+
+/* Frees this thread's caches whose arenas were destroyed. Their destruction set the arena pointer
+ * under the cache's lock; taking and dropping that lock waits for it to be done with the cache. */
+static void forget_orphans(void) {
+  for (_ia_tcache_t **link = &mine.caches; *link;) {
+    _ia_tcache_t *c = *link;
+    if (atomic_load(&c->arena)) {
+      link = &c->next;
+      continue;
+    }
+    _ia_tcache_lock(c);
+    _ia_tcache_unlock(c);
+    *link = c->next;
+    free_cache(c);
+  }
+}
+
+static _ia_tcache_t *make(ia_arena_t *a, size_t limit, size_t block_max) {
+  if (mine.exiting) return NULL;
+  pthread_once(&exit_key_once, make_exit_key);
+  /* Without the destructor an exiting thread would strand its blocks: no cache then. */
+  if (!exit_key_made || pthread_setspecific(exit_key, &mine) != 0) return NULL;
+  forget_orphans();
+  unsigned fl, sl;
+  _ia_class_of(block_max, &fl, &sl);
+  size_t lists = (size_t)(fl + 1) * IA_SL_COUNT;
+  _ia_tcache_t *c = calloc(1, sizeof *c + 2 * lists * sizeof(_ia_block_t *) + (fl + 1) * sizeof(uint32_t));
+  if (!c) return NULL;
+  c->heads = (_ia_block_t **)(c + 1);
+  c->tails = c->heads + lists;
+  c->sl_map = (uint32_t *)(c->tails + lists);
+  c->fl_count = fl + 1;
+  c->limit = limit;
+  c->block_max = block_max;
+  atomic_store(&c->arena, a);
+  if (!_ia_arena_attach_cache(a, c)) {
+    free(c);
+    return NULL;
+  }
+  c->next = mine.caches;
+  mine.caches = c;
+  return c;
+}
+
+_ia_tcache_t *_ia_tcache_mine(ia_arena_t *a, size_t limit, size_t block_max, bool create) {
+  /* Relaxed: a destroyed arena's caches were orphaned before its memory could hold a new arena
+   * that this thread learned of, so a match is this arena's cache. */
+  for (_ia_tcache_t *c = mine.caches; c; c = c->next)
+    if (atomic_load_explicit(&c->arena, memory_order_relaxed) == a) return c;
+  return create ? make(a, limit, block_max) : NULL;
+}
