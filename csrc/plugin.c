@@ -47,8 +47,7 @@
  * unmerged free blocks, bounded per thread by these sizes (and by 1,024 blocks, which bounds the
  * work of taking them back). A pool grows only while the caches are empty, so their blocks are its
  * slack: a larger cache keeps more of it unmerged and sends more requests to take blocks back one by
- * one. Measured on the plugin's path (benchmarks/RESULTS.md, issue 19), 16 MiB beat 8, 32 and 64
- * MiB at one and at four threads. The small pool's blocks are 1 MiB at most; in the large pool only
+ * one (benchmarks/RESULTS.md compares the sizes). The small pool's blocks are 1 MiB at most; in the large pool only
  * blocks up to 8 MiB are kept, where the lock's cost is not yet negligible beside the work on the
  * tensor. */
 #define SMALL_THREAD_CACHE (16 * MiB)

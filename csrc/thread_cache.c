@@ -1,8 +1,8 @@
 /* Per-thread caches of free blocks: what lets threads share an arena without queueing on its lock.
  *
  * Why. Every allocation and free took the arena's one mutex; four threads sharing an arena spent
- * their time waiting for it (17x glibc's time per operation, benchmarks/RESULTS.md, issue 19), and
- * even one thread paid a third of its time for the uncontended lock. A cache lets the common case,
+ * their time waiting for it, and even one thread paid a third of its time for the uncontended
+ * lock. A cache lets the common case,
  * a thread freeing what it allocated and allocating again on the same stream, skip the arena.
  *
  * What a cache holds. Every block a thread allocates from the arena (of block_max bytes or less)
