@@ -554,14 +554,18 @@ static void give_back(ia_arena_t *a, block_t *b) {
   make_free(a, b, b->stream);
 }
 
+/* All of a cache's free blocks come back to the arena (both locks held). */
+static void take_all_back(ia_arena_t *a, _ia_tcache_t *c) {
+  fold(a, c);
+  for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
+}
+
 /* Every cache's free blocks come back to the arena. */
 static void drain(ia_arena_t *a) {
   for (size_t i = 0; i < a->n_caches; i++) {
-    _ia_tcache_t *c = a->caches[i];
-    _ia_tcache_lock(c);
-    fold(a, c);
-    for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
-    _ia_tcache_unlock(c);
+    _ia_tcache_lock(a->caches[i]);
+    take_all_back(a, a->caches[i]);
+    _ia_tcache_unlock(a->caches[i]);
   }
 }
 
@@ -607,8 +611,7 @@ static void trim(ia_arena_t *a, _ia_tcache_t *c) {
 void _ia_arena_cache_exit(ia_arena_t *a, _ia_tcache_t *c) {
   pthread_mutex_lock(&a->lock);
   _ia_tcache_lock(c);
-  fold(a, c);
-  for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
+  take_all_back(a, c);
   /* What the thread still has handed out is live; its frees now go through the arena's lock. */
   _ia_tcache_unlend_all(c);
   _ia_tcache_unlock(c);
@@ -989,7 +992,6 @@ bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, u
   if (b && b->cache) _ia_tcache_unlock(b->cache);
   pthread_mutex_unlock(&a->lock);
   return live;
-
 }
 
 void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx) {
