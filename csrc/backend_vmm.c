@@ -272,6 +272,19 @@ static ia_status_t vmm_map(ia_backend_t *self, void *at, size_t size) {
   _ia_cuda_scope_t scope;
   ia_status_t st = enter(v, &scope);
   if (st != IA_OK) return st;
+  /* The driver creates page after page until one is refused, so a map wider than what the device
+   * has free would first take all of it, and every other process on the device would see it full
+   * (a context being created there fails with cudaErrorMemoryAllocation) until the pages of this
+   * call go back. cudaMalloc refuses such a request whole; so does this, when it cannot fit. */
+  size_t free_bytes = 0, total = 0;
+  if (ia_cuda_mem_info(v->device, &free_bytes, &total) == IA_OK && size > free_bytes) {
+    char need[32], left[32];
+    _ia_cuda_error("cuMemCreate of %s of pages on device %d not asked: the device has %s free "
+                   "(out of memory)", _ia_format_bytes(size, need, sizeof need), v->device,
+                   _ia_format_bytes(free_bytes, left, sizeof left));
+    _ia_cuda_exit(&scope);
+    return IA_ERR_BACKEND_OUT_OF_MEMORY;
+  }
   CUresult err = CUDA_SUCCESS;
   const char *what = NULL;
   for (; done < n && !what; done++) {

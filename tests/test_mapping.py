@@ -519,3 +519,76 @@ def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
         segments = segments_from_events(events)
         assert len(a.regions()) == 2
         assert merged((s["address"], s["total_size"]) for s in segments) == merged((r.base, r.size) for r in a.regions())
+
+
+# -- the GPU failures of test_expandable_gpu.py, replayed over the host simulation ----------------
+# (docs/vmm-gpu-failures.md.) Each replays what the failing GPU test asked of the pools, with the
+# host mapping backend's 2 MiB pages in place of the driver's, and shows the figure the GPU run
+# reported coming out of a release that did unmap every whole free page: the tests measured after
+# something else was allocated, or kept a tensor live, not a release that left pages mapped.
+
+def test_gpu_empty_cache_figure_182_mib_is_the_loop_variable_keeping_the_70_mib_tensor_live():
+    plugin("""
+total = lambda: lib.ia_plugin_device_totals(0).capacity
+keep = alloc(12 * MiB)
+ts = [alloc(n * MiB) for n in (30, 50, 70)]
+small = [alloc(4000) for _ in range(100)]
+t = ts[-1]                               # `for t in ts: t.fill_(7)` leaves t bound to the 70 MiB tensor
+for p in ts[:-1] + small:                # `del ts, small` frees the others only
+    free(p)
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == (12 + 70) * MiB and stats(lib.IA_POOL_SMALL).capacity == 0
+again = alloc(100 * MiB)                 # 80 MiB hole between keep and t: mapped after t instead
+assert total() == 190840832, total()     # the GPU run's "after", measured once `again` was mapped
+free(t)
+free(again)
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == 12 * MiB and total() == 12 * MiB   # keep's pages only
+check()
+print("ok")
+""")
+
+
+def test_gpu_unmapped_figure_62_mib_is_a_small_page_mapped_by_the_reduction_after_the_release():
+    plugin("""
+total = lambda: lib.ia_plugin_device_totals(0).capacity
+x = alloc(64 * MiB)
+y = alloc(64 * MiB, s=5)                 # y = x * 2 on the side stream
+lib.ia_torch_record_stream(ffi.cast("void *", x), ffi.cast("void *", 5))
+free(x)
+reserved = total()
+lib.ia_torch_empty_cache()
+assert reserved - total() == 64 * MiB    # the whole block went, once the side stream was done
+m = alloc(4)                             # y.min(): its one-element result maps a small page
+assert reserved - total() == 62 * MiB    # the GPU run's figure, measured after y.min()
+free(m); free(y)
+check()
+print("ok")
+""")
+
+
+def test_gpu_graph_figure_44_mib_is_the_graph_pool_region_of_the_captured_output():
+    plugin("""
+total = lambda: lib.ia_plugin_device_totals(0).capacity
+x = alloc(64 * MiB, s=3)
+static = alloc(4 * MiB, s=3)
+state = alloc(1000, s=3)                 # small tensors live through the capture (a small page)
+pool = ffi.new("ia_pool_id_t *"); pool.first = 1
+assert lib.ia_graph_begin(0, pool[0]) == lib.IA_OK
+assert lib.ia_host_capture_begin(7, 1)
+free(x)
+before = total()
+lib.ia_torch_empty_cache()
+assert total() == before == 70 * MiB     # the GPU run's "before" and "during"
+out = alloc(4 * MiB, s=7, p=pool)        # out = static * 3: a 20 MiB region of the graph's pool
+lib.ia_host_capture_end(7)
+assert lib.ia_graph_end(0, pool[0]) == lib.IA_OK
+mid = total()
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == 4 * MiB and mid - total() == 64 * MiB
+assert before - total() == 44 * MiB      # the GPU run's before - after: 64 MiB less the graph region
+free(out); free(static); free(state)
+assert lib.ia_graph_release(0, pool[0]) == lib.IA_OK
+check()
+print("ok")
+""")
