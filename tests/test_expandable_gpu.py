@@ -63,6 +63,27 @@ print(json.dumps({{"expandable": alloc.device_is_expandable(0), "large": s["aren
     assert on["regions"] == 1 and on["maps"] <= 10
 
 
+def test_mapped_pools_cost_the_device_what_they_map():
+    """The device pays for the pages mapped and no more (test_plugin_gpu.py checks the same of
+    regions): the large tensors fill the pages of one stretch, and the small ones share pages."""
+    out = run("""
+alloc.install()
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+free0, held0 = torch.cuda.mem_get_info()[0], alloc.memory_reserved()
+ts = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in [3] * 12 + [12] * 6]
+small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(40)]
+torch.cuda.synchronize()
+s = alloc.memory_stats()
+print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
+                  "expandable": alloc.device_is_expandable(0), "stretches": s["arena.large.regions"]}))
+""")
+    need = (3 * 12 + 12 * 6 + 20) * MiB                 # live bytes, whole pages in both pools
+    assert out["expandable"] and out["stretches"] == 1
+    assert need <= out["held"] <= need + 2 * MiB, out   # the small pool's first page was held0's
+    assert abs(out["device"] - out["held"]) <= 2 * MiB, out
+
+
 def test_memory_stats_count_mapped_bytes():
     out = run("""
 alloc.install(alloc.Config(budget_mb=16))
