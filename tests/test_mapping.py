@@ -6,6 +6,8 @@ exactly what the arena asks of a mapping backend. The plugin's mapped general po
 the end, each in a fresh interpreter as in test_graph_pools.py."""
 
 import ctypes
+import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -349,6 +351,183 @@ def test_any_sequence_keeps_pages_mapped_exactly_where_needed(ops, auto):
         a.release_cached()  # waits for whatever is pending, so nothing cached may stay
         consistent(a)
         assert a.stats()["capacity"] == len(pages_touched(a)) * a.page_size
+
+
+# -- thread caches over a mapping arena --------------------------------------------------------------
+# A block a thread's cache keeps is lent, not free, to the arena: release must take it back before
+# it unmaps, or its pages would stay mapped; growth must take it back before it maps, or the cache
+# would make the arena map pages it already has free.
+
+def cached_mapped(**kw):
+    return mapped(thread_cache=4 * MiB, thread_cache_block=MiB, **kw)
+
+
+class Holder:
+    """A thread that runs steps on request and stays alive between them, its cache with it."""
+
+    def __init__(self):
+        self._jobs, self._done = [], threading.Condition()
+        self._thread = threading.Thread(target=self._loop)
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            with self._done:
+                while not self._jobs:
+                    self._done.wait()
+                fn, out = self._jobs[0]
+            if fn is None:
+                return
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # handed back to the test
+                out.append((False, e))
+            with self._done:
+                self._jobs.pop(0)
+                self._done.notify_all()
+
+    def __call__(self, fn):
+        out = []
+        with self._done:
+            self._jobs.append((fn, out))
+            self._done.notify_all()
+            while self._jobs:
+                self._done.wait()
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def end(self):
+        with self._done:
+            self._jobs.append((None, None))
+            self._done.notify_all()
+        self._thread.join()
+
+
+def until(predicate, timeout=30.0):
+    """Python's join() returns before the thread's cache is given back (a pthread key's
+    destructor runs after it), so what that changes is waited for, boundedly."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_release_takes_back_the_blocks_another_threads_cache_keeps_before_unmapping():
+    with cached_mapped() as a:
+        worker = Holder()
+        try:
+            def churn():
+                ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
+                for p in ps:
+                    a.free(p, stream=1)
+            worker(churn)                              # 8 pages mapped, every block kept by its cache
+            s, _ = consistent(a)
+            assert s["capacity"] == 8 * PAGE and s["in_use"] == 0 and s["free_blocks"] == 8
+            # This thread's request takes one block back from the worker's cache: no page is mapped.
+            live = a.allocate(100, stream=1)
+            assert a.mapping_counters()["pages_mapped"] == 8
+            released = a.release_cached()
+            s, c = consistent(a)
+            assert released == 7 * PAGE and s["capacity"] == PAGE, (released, s["capacity"])
+            assert pages_touched(a) == {live // PAGE} and c["pages_unmapped"] == 7
+            # The worker's cache is empty now: its next block comes from the arena, on mapped pages.
+            p = worker(lambda: a.allocate(PAGE, stream=1))
+            assert a.range_mapped(p, PAGE)
+            worker(lambda: a.free(p, stream=1))
+            a.free(live, stream=1)
+        finally:
+            worker.end()
+        a.release_cached()                             # this thread's cache keeps `live`: taken back too
+        s, c = consistent(a)
+        assert s["capacity"] == 0 and c["mapped"] == 0
+
+
+def test_a_thread_that_exits_with_cached_blocks_gives_them_back_and_release_unmaps_them():
+    with cached_mapped() as a:
+        def body():
+            ps = [a.allocate(n, stream=2) for n in (1000, PAGE, 3 * PAGE, 5000, PAGE // 2)]
+            for p in ps:
+                a.free(p, stream=2)
+            return a.stats()
+        t = threading.Thread(target=lambda: out.append(body()))
+        out = []
+        t.start()
+        t.join()
+        during = out[0]
+        assert during["in_use"] == 0 and during["free_blocks"] > 1   # kept whole by the cache
+        mapped_then = during["capacity"]
+        # At the thread's exit its blocks rejoin the arena and merge: one free block, still mapped.
+        assert until(lambda: a.stats()["free_blocks"] == 1)
+        s, _ = consistent(a)
+        assert s["capacity"] == mapped_then and s["largest_free"] == mapped_then
+        assert a.release_cached() == mapped_then
+        s, c = consistent(a)
+        assert s["capacity"] == 0 and s["regions"] == 0 and c["mapped"] == 0
+
+
+def test_a_threads_cache_never_makes_the_arena_map_more_pages():
+    with cached_mapped() as a:
+        worker = Holder()
+        try:
+            def churn():
+                ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
+                for p in ps:
+                    a.free(p, stream=1)
+            worker(churn)
+            before = a.mapping_counters()
+            # 4 pages, on the stream the cached blocks were freed on: the arena has no free block
+            # of its own, so it takes the worker's cached blocks back instead of mapping pages.
+            p = a.allocate(4 * PAGE, stream=1)
+            s, c = consistent(a)
+            assert c["maps"] == before["maps"] and s["capacity"] == 8 * PAGE
+            a.free(p, stream=1)
+        finally:
+            worker.end()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans=st.lists(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(1, 3 * PAGE)),
+                               min_size=5, max_size=40), min_size=2, max_size=3),
+       keep=st.integers(0, 3))
+def test_after_a_release_the_pages_mapped_are_those_live_blocks_touch_whatever_threads_cache(plans, keep):
+    """Threads allocate and free, keep up to `keep` blocks live each and stay alive with their
+    caches full; a release from another thread leaves mapped exactly the pages live blocks touch,
+    and never more pages were mapped than the limit allows."""
+    with cached_mapped(page=16 << 10, address_range=64 * MiB, limit=256 * (16 << 10)) as a:
+        workers = [Holder() for _ in plans]
+        kept = []
+        try:
+            for i, (worker, plan) in enumerate(zip(workers, plans)):
+                def run(plan=plan, stream=i + 1):
+                    live = []
+                    for op, n in plan:
+                        if op == "alloc":
+                            try:
+                                live.append(a.allocate(n, stream=stream))
+                            except ArenaOutOfMemory:
+                                pass
+                        elif live:
+                            a.free(live.pop(n % len(live)), stream=stream)
+                    while len(live) > keep:
+                        a.free(live.pop(), stream=stream)
+                    return [(p, stream) for p in live]
+                kept += worker(run)
+            consistent(a)
+            a.release_cached()
+            s, _ = consistent(a)
+            assert s["capacity"] == len(pages_touched(a)) * a.page_size
+            assert s["blocks_in_use"] == len(kept)
+            for p, stream in kept:
+                a.free(p, stream=stream)
+            a.release_cached()
+            assert consistent(a)[0]["capacity"] == 0
+        finally:
+            for worker in workers:
+                worker.end()
 
 
 # -- the plugin's general pools, mapped --------------------------------------------------------------
