@@ -30,24 +30,36 @@ def _keys(argv: list[str]) -> int:
 
 
 def _devices(argv: list[str]) -> int:
-    _no_arguments("devices", "Per CUDA device: memory attributes, unified or not, free memory.", argv)
+    _no_arguments("devices", "Per CUDA device: memory attributes, unified or not, whether the driver maps "
+                  "pages (expandable), free memory.", argv)
     import torch
     from rich.console import Console
     from rich.table import Table
 
+    from ._core import ffi, lib
+    from .plugin import loaded_cudart
     from .unified import FIELDS, device_attributes, is_unified
     if not torch.cuda.is_available():
         print("no CUDA device is visible")
         return 1
     table = Table(title="CUDA devices")
-    for col in ("device", "name", *FIELDS, "unified", "free / total MiB"):
+    for col in ("device", "name", *FIELDS, "unified", "maps pages", "free / total MiB"):
         table.add_column(col)
+    notes = []
     for d in range(torch.cuda.device_count()):
         attrs = device_attributes(d)
         free, total = torch.cuda.mem_get_info(d)
+        cudart = loaded_cudart()
+        maps = lib.ia_vmm_supported(d, ffi.new("char[]", cudart.encode()) if cudart else ffi.NULL) == lib.IA_OK
+        if not maps:
+            notes.append(f"device {d}: {ffi.string(lib.ia_cuda_last_error()).decode()}")
         table.add_row(str(d), torch.cuda.get_device_name(d), *(str(attrs[f]) for f in FIELDS),
-                      "yes" if is_unified(attrs) else "no", f"{free >> 20:,} / {total >> 20:,}")
-    Console().print(table)
+                      "yes" if is_unified(attrs) else "no", "yes" if maps else "no",
+                      f"{free >> 20:,} / {total >> 20:,}")
+    console = Console()
+    console.print(table)
+    for note in notes:  # expandable:auto serves these devices' general pools from regions
+        console.print(note)
     return 0
 
 

@@ -96,16 +96,20 @@ def _guarded(inner, guard: HostGuard, keepalive: list):
     return out[0]
 
 
-def _new_backend(backend: str, device: int | None, host_limit: int | None, cudart: str | None):
+def _new_backend(backend: str, device: int | None, host_limit: int | None, cudart: str | None,
+                 mapping: bool = False, page_size: int = 2 << 20):
+    """mapping: a backend that maps pages (host: simulated pages of page_size; cuda: the driver's)."""
     out = ffi.new("ia_backend_t **")
     if backend == "host":
         limit = physical_memory() if host_limit is None else host_limit
-        status = lib.ia_host_backend_create(limit, out)
+        status = lib.ia_host_mapping_backend_create(limit, page_size, out) if mapping else \
+            lib.ia_host_backend_create(limit, out)
     elif backend == "cuda":
         if device is None or device < 0:
             raise ValueError("the cuda backend needs a device index >= 0")
         path = cudart.encode() if cudart else ffi.NULL
-        status = lib.ia_cuda_backend_create(device, path, out)
+        create = lib.ia_vmm_backend_create if mapping else lib.ia_cuda_backend_create
+        status = create(device, path, out)
         if status != lib.IA_OK:
             raise BackendError(ffi.string(lib.ia_cuda_last_error()).decode())
     else:
@@ -118,6 +122,11 @@ def _new_backend(backend: str, device: int | None, host_limit: int | None, cudar
 class Arena:
     """A budget arena over one reservation (or, with ``growable=True``, over regions added on
     demand). Addresses are plain ints; ``stream`` is an int handle the backend understands.
+
+    ``address_range`` (growable only) makes it a mapping arena: one address range of that many
+    bytes is reserved once, and its pages are mapped as blocks need them and unmapped by
+    ``release_cached()`` (the host backend simulates pages of ``page_size`` bytes, 2 MiB by
+    default; the cuda backend maps the driver's pages through its virtual memory management).
 
     >>> with Arena(1 << 20) as a:
     ...     p = a.allocate(1000)
@@ -141,7 +150,7 @@ class Arena:
                  region_round: int = 2 << 20, region_exact_above: int | None = None,
                  limit: int = 0, host_limit: int | None = None, cudart: str | None = None,
                  guard: HostGuard | None = None, name: str = "arena", thread_cache: int = 0,
-                 thread_cache_block: int = 1 << 20):
+                 thread_cache_block: int = 1 << 20, address_range: int = 0, page_size: int | None = None):
         # Everything is checked before the backend exists, so that a refusal leaves nothing behind.
         _checked("capacity", capacity, 0, MAX_SIZE)
         _checked("limit", limit, 0, U64_MAX)
@@ -162,12 +171,21 @@ class Arena:
             _checked("host_limit", host_limit, 0, U64_MAX)
         if device is not None:
             _checked("device", device, 0, 1 << 31)
+        _checked("address_range", address_range, 0, MAX_SIZE)
+        if address_range and not growable:
+            raise ValueError("address_range needs growable=True: a mapping arena grows page by page")
+        if page_size is not None:
+            _power_of_two("page_size", page_size, 4096)
+            if backend != "host" or not address_range:
+                raise ValueError("page_size is the host backend's simulated page: it needs backend='host' "
+                                 "and an address_range (the cuda backend maps the driver's pages)")
         self.name = name
         self.backend_name = backend
         self.device = device
         self._cond, self._users, self._arena = threading.Condition(), 0, ffi.NULL
         self._keepalive: list = []
-        self._backend = _new_backend(backend, device, host_limit, cudart)
+        self._backend = _new_backend(backend, device, host_limit, cudart, mapping=address_range > 0,
+                                     page_size=page_size or 2 << 20)
         self._host_controls = self._backend
         if guard is not None:
             self._backend = _guarded(self._backend, guard, self._keepalive)
@@ -182,6 +200,7 @@ class Arena:
         opts.limit = limit
         opts.thread_cache = thread_cache
         opts.thread_cache_block = thread_cache_block
+        opts.address_range = address_range
         out = ffi.new("ia_arena_t **")
         status = lib.ia_arena_create(opts, self._backend, out)  # takes the backend, even on failure
         if status != lib.IA_OK:
@@ -195,6 +214,8 @@ class Arena:
         self._owned = True
         self.alignment = alignment
         self.growable = growable
+        self.guarded = guard is not None
+        self.page_size = int(lib.ia_arena_page_size(self._arena))
         self.capacity = self.stats()["capacity"]  # what was reserved: rounded to the alignment
 
     @classmethod
@@ -206,6 +227,7 @@ class Arena:
         self._arena, self._backend, self._owned = handle, ffi.NULL, False
         self._host_controls, self._keepalive = ffi.NULL, []
         self.alignment = int(lib.ia_arena_alignment(handle))
+        self.page_size, self.guarded = int(lib.ia_arena_page_size(handle)), None
         s = self.stats()
         self.capacity, self.growable = s["capacity"], None
         return self
@@ -312,6 +334,14 @@ class Arena:
             n = min(n, lib.ia_arena_regions(h, buf, n))
         return [Region(int(buf[i].base), int(buf[i].size)) for i in range(n)]
 
+    def address_range(self) -> Region | None:
+        """A mapping arena's one address range (None for an arena of reservations); its
+        ``regions()`` are the stretches of it mapped now."""
+        out = ffi.new("ia_region_info_t *")
+        with self._use() as h:
+            found = lib.ia_arena_address_range(h, out)
+        return Region(int(out.base), int(out.size)) if found else None
+
     def blocks(self) -> list[Block]:
         """Every block in address order within each region (regions oldest first)."""
         cap = 0
@@ -355,6 +385,37 @@ class Arena:
         with self._host_backend() as b:
             lib.ia_host_complete(b, stream)
 
+    def mapping_counters(self) -> dict:
+        """Host backend of a mapping arena: what it mapped and unmapped (ia_mapping_counters_t)."""
+        self._need_mapping()
+        out = ffi.new("ia_mapping_counters_t *")
+        with self._host_backend() as b:
+            lib.ia_host_mapping_counters(b, out)
+        return _counters(out)
+
+    def guard_counters(self) -> dict:
+        """A guarded mapping arena: what its host-memory guard checked and let through."""
+        self._need_mapping()
+        if not self.guarded:
+            raise ValueError(f"{self.name} has no host-memory guard")
+        out = ffi.new("ia_mapping_counters_t *")
+        with self._use():
+            lib.ia_guard_mapping_counters(self._backend, out)
+        return _counters(out)
+
+    def range_mapped(self, address: int, size: int) -> bool:
+        """Host backend of a mapping arena: whether every page [address, address + size) touches
+        is mapped now."""
+        self._need_mapping()
+        _checked("address", address, 0, U64_MAX)
+        _checked("size", size, 0, U64_MAX)
+        with self._host_backend() as b:
+            return bool(lib.ia_host_range_mapped(b, address, size))
+
+    def _need_mapping(self) -> None:
+        if not self.page_size:
+            raise ValueError(f"{self.name} does not map pages (make it with address_range=...)")
+
     def waits(self, waiter: int, waited_on: int) -> int:
         """Host backend: how many times ``waiter`` was made to wait on ``waited_on``."""
         _checked("waiter", waiter, 0, U64_MAX)
@@ -394,6 +455,10 @@ class Arena:
         if status == lib.IA_ERR_FOREIGN_POINTER:
             return ForeignPointer(text)
         return MemoryError(text)
+
+
+def _counters(c) -> dict:
+    return {name: int(getattr(c, name)) for name, _ in ffi.typeof("ia_mapping_counters_t").fields}
 
 
 def workspace_arena(config, backend: str = "host", *, device: int | None = None,

@@ -87,6 +87,11 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "record allocation events in a ring of this many entries (default 0: off)"),
     Key("oom_report", _path, "a file path",
         "on out-of-memory, write the memory report there and name it in the error (default: none)"),
+    Key("expandable", _choice("auto", "on", "off"), "auto, on or off",
+        "process scope: each general pool is one address range whose 2 MiB pages are mapped as "
+        "blocks need them and unmapped by torch.cuda.empty_cache(), as PyTorch's "
+        "expandable_segments (default auto: where the driver supports CUDA virtual memory "
+        "management; off: regions, one cudaMalloc each; on: refuse to start where it cannot)"),
 )}
 
 
@@ -99,6 +104,7 @@ class Config:
     meminfo: str = "/proc/meminfo"
     trace: int = 0
     oom_report: str | None = None
+    expandable: str = "auto"
 
     def __post_init__(self):
         """Every field is checked as the environment's text would be, whatever made the Config."""

@@ -281,6 +281,19 @@ def segments_from_report(report: dict) -> list[dict]:
     return out
 
 
+def _release(regions: dict, device: int, lo: int, hi: int) -> None:
+    """Takes [lo, hi) out of the recorded regions: a whole region given back, or, in a mapped pool,
+    the pages unmapped from a stretch (what is left of it on either side stays)."""
+    for (d, base), (size, pool) in list(regions.items()):
+        if d != device or base + size <= lo or base >= hi:
+            continue
+        del regions[(d, base)]
+        if base < lo:
+            regions[(d, base)] = (lo - base, pool)
+        if hi < base + size:
+            regions[(d, hi)] = (base + size - hi, pool)
+
+
 def segments_from_events(events: Sequence[Event]) -> list[dict]:
     """The state at the end of a trace, for a snapshot made without the arenas at hand: regions from
     reserve/release events; live blocks at their addresses with their requested sizes (the trace
@@ -296,7 +309,7 @@ def segments_from_events(events: Sequence[Event]) -> list[dict]:
             regions[(e.device, e.address)] = (e.size, e.pool)
             ever.append((e.device, e.address, e.address + e.size))
         elif e.action == "release":
-            regions.pop((e.device, e.address), None)
+            _release(regions, e.device, e.address, e.address + e.size)
         elif e.action == "alloc" and e.size:
             live[(e.device, e.address)] = (e.size, e.pool)
             spans.append((e.device, e.pool, e.address, e.address + e.size))

@@ -130,6 +130,8 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     if scope == "workspace":
         _check_pool_settings()
     cudart = loaded_cudart()
+    if scope == "process" and config.expandable == "on":
+        _check_mapping(cudart, torch.cuda.device_count())
     strings = tuple(ffi.new("char[]", s.encode()) if s else ffi.NULL
                     for s in (cudart, config.meminfo, config.oom_report))
     c = ffi.new("ia_plugin_config_t *")
@@ -138,6 +140,7 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     c.alignment = config.alignment
     c.cudart_path, c.meminfo_path, c.oom_report_path = strings
     c.unified = {"auto": -1, "off": 0, "on": 1}[config.unified]
+    c.expandable = {"auto": -1, "off": 0, "on": 1}[config.expandable]
     c.host_headroom = config.host_headroom_bytes
     from . import shims
     c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())
@@ -151,6 +154,18 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
         return _Installed(config, scope, allocator, (strings, c))
     shims.install_allocator(int(ffi.cast("uintptr_t", lib.ia_torch_entry_points())))
     return _Installed(config, scope, None, (strings, c))
+
+
+def _check_mapping(cudart: str | None, devices: int) -> None:
+    """expandable:on: every device's driver must map pages (asked of the driver alone, which
+    creates no CUDA context)."""
+    path = ffi.new("char[]", cudart.encode()) if cudart else ffi.NULL
+    for device in range(devices):
+        if lib.ia_vmm_supported(device, path) != lib.IA_OK:
+            why = ffi.string(lib.ia_cuda_last_error()).decode()
+            raise InstallError(
+                f"expandable:on in {config_mod.ENV_VAR}, but {why}; set expandable:auto (pages where "
+                "the driver maps them, regions elsewhere) or expandable:off (regions, one cudaMalloc each)")
 
 
 def _check_pool_settings() -> None:
@@ -331,7 +346,8 @@ def _pytorch_counts() -> bool:
 
 def memory_stats(device: int | None = None) -> dict:
     """PyTorch's ``memory_stats()`` keys wherever one applies, plus ``arena.<pool>.<stat>`` for
-    every statistic of every arena (pools: workspace, small, large). In workspace scope PyTorch's
+    every statistic of every arena (pools: workspace, small, large) and ``arena.expandable`` (1
+    when the general pools map pages, 0 when they reserve regions). In workspace scope PyTorch's
     keys are PyTorch's own (``torch.cuda.memory_stats()``, which counts the workspace pool)."""
     device = _device_index(device)
     pools = _pool_stats(device)
@@ -379,6 +395,7 @@ def memory_stats(device: int | None = None) -> dict:
     out["num_ooms"] = int(lib.ia_plugin_ooms())
     out["num_device_alloc"] = everything["backend_reserves"]
     out["num_device_free"] = everything["backend_releases"]
+    out["arena.expandable"] = int(device_is_expandable(device))
     for pool, stats in pools.items():
         for key, value in stats.items():
             out[f"arena.{pool}.{key}"] = value
@@ -441,6 +458,12 @@ def max_memory_reserved(device: int | None = None) -> int:
 def device_is_unified(device: int | None = None) -> bool:
     """Whether the device's arenas guard against host memory (False before its first use)."""
     return bool(lib.ia_plugin_device_unified(_device_index(device)))
+
+
+def device_is_expandable(device: int | None = None) -> bool:
+    """Whether the device's general pools map pages of one address range each (``expandable``
+    key), rather than reserving regions (False before its first use)."""
+    return bool(lib.ia_plugin_device_expandable(_device_index(device)))
 
 
 def _device_index(device) -> int:

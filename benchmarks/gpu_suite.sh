@@ -48,8 +48,8 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
   case "$stage" in
     setup) setup ;;
     tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
-                   tests/test_plugin_gpu.py tests/test_scoped_gpu.py tests/test_plugin_cpu.py \
-                   tests/test_unified.py ;;
+                   tests/test_plugin_gpu.py tests/test_expandable_gpu.py tests/test_scoped_gpu.py \
+                   tests/test_plugin_cpu.py tests/test_unified.py ;;
     tests-graphs) step gpu_tests_graphs $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} \
                     tests/test_graphs_gpu.py tests/test_plugin_gpu.py ;;
     tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider \

@@ -36,6 +36,12 @@
  * Locking: one mutex per arena (adaptive: it spins briefly before sleeping) guards everything in
  * it, taken once per public call that is not served by a thread cache. Backend calls made while
  * growing or ordering streams happen under it; they never call back into the arena.
+ *
+ * Over a backend that maps pages, a growable arena's regions are the mapped stretches of one
+ * address range instead of reservations (see "mapped ranges" below); nothing else changes. Thread
+ * caches keep blocks of those stretches as of any region: release takes them back before it unmaps,
+ * and growth maps pages only after taking back every block they keep, so a cache never makes the
+ * arena map more.
  */
 #define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <pthread.h>
@@ -108,6 +114,11 @@ struct ia_arena {
   /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
   ia_trace_t *_Atomic trace;
   _Atomic uint64_t trace_tag;
+
+  /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */
+  size_t page;
+  uintptr_t range_base;
+  size_t range_size;
 
   ia_stats_t stats;
 };
@@ -409,9 +420,13 @@ static void region_drop(ia_arena_t *a, region_t *r) {
  * synchronizes the device, which a capture forbids. */
 static bool capturing(const ia_arena_t *a) { return a->captures && atomic_load(a->captures) > 0; }
 
+static uint64_t release_mapped(ia_arena_t *a);
+static ia_status_t grow_mapped(ia_arena_t *a, size_t size);
+
 static uint64_t release_free_regions(ia_arena_t *a) {
   uint64_t released = 0;
   if (capturing(a)) return 0;
+  if (a->page) return release_mapped(a);
   region_t *next;
   for (region_t *r = a->regions; r; r = next) {
     next = r->next;
@@ -438,6 +453,7 @@ static bool over_limit(const ia_arena_t *a, size_t want) {
 }
 
 static ia_status_t grow(ia_arena_t *a, size_t size) {
+  if (a->page) return grow_mapped(a, size);
   size_t want = region_size_for(&a->opts, size);
   if (over_limit(a, want)) {
     if (release_free_regions(a)) a->stats.retries++;
@@ -491,6 +507,284 @@ static ia_status_t order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t fr
   if ((st = a->backend->stream_wait(a->backend, waiter, ss->event)) != IA_OK) return st;
   a->stats.stream_waits++;
   return IA_OK;
+}
+
+/* ---- mapped ranges ------------------------------------------------------------------------------
+ * Over a mapping backend a growable arena reserves one address range when it is made and never
+ * another. Its regions are the range's mapped stretches, kept in address order, each a whole
+ * number of pages, so every byte of every block is mapped: allocation and free work as over
+ * reservations and never see a page, and the capacity is the bytes mapped. Growth maps the fewest
+ * pages that give the request a free block: after the free block that ends a stretch, as far as
+ * the gap beyond allows, or filling a whole gap, whose two stretches then join and their free
+ * blocks merge. So free space stays in one piece where regions would have cut it apart, and memory
+ * grows by pages, not regions. Release unmaps the whole pages inside free blocks once no stream
+ * work can still touch them, cutting stretches apart; a page that a live block touches stays. The
+ * region hook (the registry) is told of the range once, so frees find the arena whatever is mapped.
+ */
+
+static void merge_into(ia_arena_t *a, block_t *left, block_t *right);
+
+static size_t page_count(const ia_arena_t *a, size_t bytes) { return bytes / a->page + (bytes % a->page != 0); }
+
+/* Growth is rare and costs a backend call, so the last block is found by walking. */
+static block_t *last_block(const region_t *r) {
+  block_t *b = r->first;
+  while (b->phys_next) b = b->phys_next;
+  return b;
+}
+
+/* `pages` pages to map at `at`, right after the stretch `after` (NULL: no stretch ends there). */
+typedef struct {
+  region_t *after;
+  uintptr_t at;
+  size_t pages;
+} placement_t;
+
+/* The placement that maps the fewest pages for a free block of `size`, the lowest on a tie; false
+ * when no gap of the range can give one. */
+static bool place(const ia_arena_t *a, size_t size, placement_t *out) {
+  bool found = false;
+  region_t *prev = NULL;
+  for (region_t *r = a->regions;; prev = r, r = r->next) {
+    uintptr_t lo = prev ? prev->base + prev->size : a->range_base;
+    uintptr_t hi = r ? r->base : a->range_base + a->range_size;
+    size_t gap = (hi - lo) / a->page;
+    if (gap) {
+      block_t *tail = prev ? last_block(prev) : NULL;
+      size_t free_before = tail && tail->is_free ? tail->size : 0;
+      size_t free_after = r && r->first->is_free ? r->first->size : 0;
+      size_t pages = page_count(a, size > free_before ? size - free_before : 1);
+      if (pages > gap) pages = free_before + (hi - lo) + free_after >= size ? gap : 0;
+      if (pages && (!found || pages < out->pages)) {
+        *out = (placement_t){prev, lo, pages};
+        found = true;
+      }
+    }
+    if (!r) return found;
+  }
+}
+
+/* Joins `left` with the stretch that starts where it ends. Two free blocks meeting there merge,
+ * which needs them on one stream: the first one's stream is ordered after the second one's, as a
+ * free orders a free neighbour. When that fails the two stay apart, each whole. */
+static ia_status_t join(ia_arena_t *a, region_t *left) {
+  region_t *right = left->next;
+  block_t *lb = last_block(left), *rb = right->first;
+  bool merge = lb->is_free && rb->is_free;
+  if (merge && lb->stream == IA_STREAM_NONE) {
+    lb->stream = rb->stream;
+    lb->free_seq = rb->free_seq;
+  } else if (merge && rb->stream != IA_STREAM_NONE && rb->stream != lb->stream) {
+    ia_status_t st = order_after(a, lb->stream, rb->stream, rb->free_seq);
+    if (st != IA_OK) return st;
+    lb->free_seq = ++a->free_seq; /* only an event recorded from now on follows the wait */
+  } else if (merge && rb->free_seq > lb->free_seq) {
+    lb->free_seq = rb->free_seq;
+  }
+  for (block_t *b = rb; b; b = b->phys_next) b->region = left;
+  lb->phys_next = rb;
+  rb->phys_prev = lb;
+  left->size += right->size;
+  left->next = right->next;
+  free(right);
+  a->stats.regions--;
+  if (merge) {
+    bin_remove(a, lb);
+    bin_remove(a, rb);
+    merge_into(a, lb, rb);
+    bin_insert(a, lb);
+  }
+  return IA_OK;
+}
+
+/* Maps pages where `place` says; on IA_OK a free block of `size` exists. */
+static ia_status_t map_for(ia_arena_t *a, size_t size) {
+  placement_t p;
+  if (!place(a, size, &p)) return IA_ERR_OUT_OF_MEMORY; /* no gap of the range is wide enough */
+  size_t bytes = p.pages * a->page;
+  if (over_limit(a, bytes)) return IA_ERR_LIMIT;
+  /* The headers first: once the pages are mapped nothing may fail. */
+  block_t *fresh = block_new(a);
+  region_t *r = p.after ? p.after : calloc(1, sizeof *r);
+  if (!fresh || !r) {
+    if (fresh) block_delete(a, fresh);
+    if (!p.after) free(r);
+    return IA_ERR_NO_HOST_MEMORY;
+  }
+  a->stats.backend_reserves++;
+  ia_status_t st = a->backend->map(a->backend, (void *)p.at, bytes);
+  if (st != IA_OK) {
+    a->stats.backend_failures++;
+    block_delete(a, fresh);
+    if (!p.after) free(r);
+    return st;
+  }
+  a->stats.capacity += bytes;
+  if (a->stats.capacity > a->stats.capacity_peak) a->stats.capacity_peak = a->stats.capacity;
+  totals_add(a, 0, (int64_t)bytes);
+  trace(a, IA_TRACE_RESERVE, p.at, bytes, IA_STREAM_NONE);
+  *fresh = (block_t){.addr = p.at, .size = bytes, .region = r, .stream = IA_STREAM_NONE, .is_free = true};
+  block_t *last = p.after ? last_block(r) : NULL;
+  if (last && last->is_free) { /* new pages were never touched: the block keeps its stream */
+    bin_remove(a, last);
+    last->size += bytes;
+    bin_insert(a, last);
+    block_delete(a, fresh);
+  } else if (last) {
+    last->phys_next = fresh;
+    fresh->phys_prev = last;
+    bin_insert(a, fresh);
+  } else {
+    *r = (region_t){.base = p.at, .first = fresh};
+    region_t **link = &a->regions;
+    while (*link && (*link)->base < p.at) link = &(*link)->next;
+    r->next = *link;
+    *link = r;
+    a->stats.regions++;
+    bin_insert(a, fresh);
+  }
+  r->size += bytes;
+  return r->next && r->base + r->size == r->next->base ? join(a, r) : IA_OK;
+}
+
+/* Like grow: a refusal of the limit or the backend gives the cached pages back and asks again. */
+static ia_status_t grow_mapped(ia_arena_t *a, size_t size) {
+  ia_status_t st = map_for(a, size);
+  if ((st == IA_ERR_LIMIT || st == IA_ERR_BACKEND_OUT_OF_MEMORY || st == IA_ERR_HOST_MEMORY_GUARD) &&
+      release_free_regions(a)) {
+    a->stats.retries++;
+    st = map_for(a, size);
+  }
+  return st;
+}
+
+/* Whether no stream work can still touch free block b: its stream's work up to its free has
+ * completed, or the host waited for it where the backend can wait. Only called while no stream of
+ * the device captures (so the event may be recorded now). */
+static bool work_done(ia_arena_t *a, block_t *b) {
+  if (b->stream == IA_STREAM_NONE) return true;
+  ia_backend_t *be = a->backend;
+  /* A capture the arena was not told of (standalone arenas have no capture count): no event on it. */
+  if (be->stream_capturing && be->stream_capturing(be, b->stream)) return false;
+  ia_status_t st = IA_OK;
+  stream_state_t *ss = stream_state(a, b->stream, &st);
+  if (!ss) return false;
+  if (ss->recorded_seq < b->free_seq) {
+    if (be->event_record(be, ss->event, b->stream) != IA_OK) return false;
+    ss->recorded_seq = a->free_seq;
+    a->stats.event_records++;
+  }
+  return be->event_done(be, ss->event) || (be->event_wait && be->event_wait(be, ss->event) == IA_OK);
+}
+
+/* Unmaps [lo, hi), whole pages inside free block b of stretch r, and cuts r there: what lies
+ * before the hole stays r, what lies after becomes a stretch of its own (*rest: the stretch after
+ * the hole, or NULL), and the parts of b on either side stay free blocks with b's stream. False,
+ * changing nothing, when no header could be had. */
+static bool cut(ia_arena_t *a, region_t *r, block_t *b, uintptr_t lo, uintptr_t hi, region_t **rest) {
+  uintptr_t b_end = b->addr + b->size, r_end = r->base + r->size;
+  bool head = lo > b->addr, tail = hi < b_end, before = lo > r->base, after = hi < r_end;
+  block_t *spare = head && tail ? block_new(a) : NULL;
+  region_t *split = before && after ? calloc(1, sizeof *split) : NULL;
+  if ((head && tail && !spare) || (before && after && !split)) {
+    if (spare) block_delete(a, spare);
+    free(split);
+    return false;
+  }
+  bin_remove(a, b);
+  block_t *prev = b->phys_prev, *next = b->phys_next;
+  block_t *tail_block = !tail ? NULL : head ? spare : b;
+  if (tail_block == spare && spare)
+    *spare = (block_t){.region = r, .stream = b->stream, .free_seq = b->free_seq, .is_free = true};
+  if (tail_block) {
+    tail_block->addr = hi;
+    tail_block->size = b_end - hi;
+    tail_block->phys_next = next;
+    if (next) next->phys_prev = tail_block;
+  }
+  if (head) b->size = lo - b->addr;
+  block_t *last_before = head ? b : prev, *first_after = tail_block ? tail_block : next;
+  if (last_before) last_before->phys_next = NULL;
+  if (first_after) first_after->phys_prev = NULL;
+  if (!head && !tail) block_delete(a, b);
+  *rest = NULL;
+  if (before && after) {
+    *split = (region_t){.base = hi, .size = r_end - hi, .first = first_after, .next = r->next};
+    for (block_t *x = first_after; x; x = x->phys_next) x->region = split;
+    r->next = split;
+    r->size = lo - r->base;
+    a->stats.regions++;
+    *rest = split;
+  } else if (before) {
+    r->size = lo - r->base;
+  } else if (after) {
+    r->base = hi;
+    r->size = r_end - hi;
+    r->first = first_after;
+    *rest = r;
+  } else {
+    region_t **link = &a->regions;
+    while (*link != r) link = &(*link)->next;
+    *link = r->next;
+    free(r);
+    a->stats.regions--;
+  }
+  if (head) bin_insert(a, b);
+  if (tail_block) bin_insert(a, tail_block);
+  a->backend->unmap(a->backend, (void *)lo, hi - lo);
+  a->stats.backend_releases++;
+  a->stats.capacity -= hi - lo;
+  totals_add(a, 0, -(int64_t)(hi - lo));
+  trace(a, IA_TRACE_RELEASE, lo, hi - lo, IA_STREAM_NONE);
+  return true;
+}
+
+/* Called through release_free_regions, which has checked that nothing captures. */
+static uint64_t release_mapped(ia_arena_t *a) {
+  uint64_t released = 0;
+  uintptr_t mask = ~(uintptr_t)(a->page - 1);
+  for (region_t *r = a->regions, *next; r; r = next) {
+    next = r->next;
+    for (block_t *b = r->first; b; b = b->phys_next) {
+      uintptr_t lo = _ia_align_up(b->addr, a->page), hi = (b->addr + b->size) & mask;
+      region_t *rest;
+      if (b->is_free && hi > lo && work_done(a, b) && cut(a, r, b, lo, hi, &rest)) {
+        released += hi - lo;
+        if (rest) next = rest; /* the walk goes on after the hole */
+        break;
+      }
+    }
+  }
+  return released;
+}
+
+static ia_status_t reserve_range(ia_arena_t *a) {
+  size_t page = a->backend->page_size, size = _ia_align_up(a->opts.address_range, page);
+  void *base;
+  ia_status_t st = a->backend->address_reserve(a->backend, size, &base);
+  if (st != IA_OK) return st;
+  ia_assert((uintptr_t)base % page == 0);
+  a->page = page;
+  a->range_base = (uintptr_t)base;
+  a->range_size = size;
+  return IA_OK;
+}
+
+static void unmap_all(ia_arena_t *a) {
+  while (a->regions) {
+    region_t *r = a->regions;
+    a->regions = r->next;
+    trace(a, IA_TRACE_RELEASE, r->base, r->size, IA_STREAM_NONE);
+    a->backend->unmap(a->backend, (void *)r->base, r->size);
+    a->stats.backend_releases++;
+    a->stats.capacity -= r->size;
+    totals_add(a, 0, -(int64_t)r->size);
+    a->stats.regions--;
+    free(r);
+  }
+  if (!a->range_size) return;
+  if (a->on_region) a->on_region(a->on_region_ctx, a, a->range_base, a->range_size, false);
+  a->backend->address_free(a->backend, (void *)a->range_base, a->range_size);
 }
 
 /* ---- thread caches: the arena's side (thread_cache.c holds the caches) ------------------------- */
@@ -642,7 +936,10 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
       opts->thread_cache > MAX_REQUEST || opts->thread_cache_block > MAX_REQUEST ||
       (opts->growable && (!_ia_is_pow2(opts->region_round) || opts->region_round < opts->alignment ||
                           opts->region_round > MAX_REQUEST || opts->region_min > MAX_REQUEST ||
-                          opts->region_min % opts->alignment))) {
+                          opts->region_min % opts->alignment)) ||
+      (opts->address_range && (!opts->growable || !backend->map || !_ia_is_pow2(backend->page_size) ||
+                               backend->page_size % opts->alignment || backend->page_size > MAX_REQUEST ||
+                               opts->address_range > MAX_REQUEST))) {
     ia_backend_destroy(backend);
     return IA_ERR_INVALID_ARGUMENT;
   }
@@ -661,8 +958,16 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
   a->opts = *opts;
   if (!opts->thread_cache_block) a->opts.thread_cache = 0; /* nothing could be kept */
   a->backend = backend;
+  if (opts->address_range) {
+    ia_status_t st = reserve_range(a);
+    if (st != IA_OK) {
+      ia_arena_destroy(a);
+      return st;
+    }
+  }
   if (opts->capacity) {
-    ia_status_t st = region_add(a, _ia_align_up(opts->capacity, opts->alignment));
+    size_t first = _ia_align_up(opts->capacity, opts->alignment);
+    ia_status_t st = a->page ? grow_mapped(a, first) : region_add(a, first);
     if (st != IA_OK) {
       ia_arena_destroy(a);
       return st;
@@ -693,6 +998,7 @@ void ia_arena_destroy(ia_arena_t *a) {
     pthread_mutex_unlock(&a->lock);
     _ia_tcache_registry_unlock();
   }
+  if (a->page) unmap_all(a);
   while (a->regions) region_drop(a, a->regions);
   for (size_t i = 0; i < a->n_streams; i++) a->backend->event_destroy(a->backend, a->streams[i].event);
   for (slab_t *s = a->slabs, *next; s; s = next) {
@@ -976,6 +1282,13 @@ void _ia_arena_flush_events(ia_arena_t *a) {
   pthread_mutex_unlock(&a->lock);
 }
 
+ia_status_t _ia_arena_grant_access(ia_arena_t *a, int peer) {
+  pthread_mutex_lock(&a->lock); /* maps happen under it too, so none misses the peer */
+  ia_status_t st = a->page && a->backend->grant_access ? a->backend->grant_access(a->backend, peer) : IA_OK;
+  pthread_mutex_unlock(&a->lock);
+  return st;
+}
+
 bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
   return a->backend->stream_capturing && a->backend->stream_capturing(a->backend, stream);
 }
@@ -998,7 +1311,8 @@ void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx)
   pthread_mutex_lock(&a->lock);
   a->on_region = hook;
   a->on_region_ctx = ctx;
-  for (region_t *r = a->regions; r && hook; r = r->next) hook(ctx, a, r->base, r->size, true);
+  if (a->range_size && hook) hook(ctx, a, a->range_base, a->range_size, true); /* mapping: the range */
+  for (region_t *r = a->page ? NULL : a->regions; r && hook; r = r->next) hook(ctx, a, r->base, r->size, true);
   pthread_mutex_unlock(&a->lock);
 }
 
@@ -1021,6 +1335,15 @@ bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
 }
 
 size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
+
+size_t ia_arena_page_size(const ia_arena_t *a) { return a->page; }
+
+const ia_backend_t *ia_arena_backend(const ia_arena_t *a) { return a->backend; }
+
+bool ia_arena_address_range(const ia_arena_t *a, ia_region_info_t *out) {
+  if (a->range_size) *out = (ia_region_info_t){a->range_base, a->range_size};
+  return a->range_size != 0;
+}
 
 
 static uint64_t largest_free_locked(const ia_arena_t *a) {
@@ -1122,8 +1445,16 @@ static bool is_my_cache(const ia_arena_t *a, const _ia_tcache_t *c) {
 static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
   uint64_t in_use = 0, free_bytes = 0, capacity = 0, requested = 0, cached_bytes = 0;
   size_t live = 0, free_count = 0, binned = 0, n_regions = 0, lent = 0, cached = 0;
+  uintptr_t mapped_to = a->range_base; /* mapping: where the previous stretch ended */
   for (region_t *r = a->regions; r; r = r->next, n_regions++) {
     CHECK(r->base % a->opts.alignment == 0, "region %#lx is not aligned", (unsigned long)r->base);
+    if (a->page) {
+      CHECK(r->size && r->base % a->page == 0 && r->size % a->page == 0, "stretch %#lx is not whole pages",
+            (unsigned long)r->base);
+      CHECK(r->base >= mapped_to && r->base + r->size <= a->range_base + a->range_size,
+            "stretch %#lx overlaps another, is out of address order or outside the range", (unsigned long)r->base);
+      mapped_to = r->base + r->size;
+    }
     CHECK(r->first && r->first->addr == r->base && !r->first->phys_prev,
           "region %#lx does not start with its first block", (unsigned long)r->base);
     uintptr_t expect = r->base;

@@ -62,6 +62,33 @@ void ia_host_capture_end(ia_stream_t stream);
 uint64_t ia_host_capture_violations(void);
 uint64_t ia_host_capture_host_waits(void);
 
+/* Page mapping, simulated: a host backend that also reserves address ranges with no memory behind
+ * them (mmap PROT_NONE) and maps pages of page_size bytes into them (a power of two, a multiple of
+ * the system page, at most 1 GiB): a mapped page is read-write and zero-filled, an unmapped one is
+ * discarded and inaccessible again. limit_bytes caps the bytes mapped (and reserved the ordinary
+ * way) at once, as a device's memory would (0: no cap). Its event waits complete the event. */
+ia_status_t ia_host_mapping_backend_create(size_t limit_bytes, size_t page_size, ia_backend_t **out);
+
+/* What a mapping backend did, for tests. */
+typedef struct ia_mapping_counters {
+  uint64_t page_size;
+  uint64_t ranges;         /* address ranges reserved now */
+  uint64_t range_reserves; /* address ranges reserved, ever */
+  uint64_t maps, unmaps;   /* calls */
+  uint64_t pages_mapped, pages_unmapped; /* pages, summed over those calls */
+  uint64_t mapped, mapped_peak;          /* bytes mapped now; most at once */
+  uint64_t refusals;       /* maps refused: the host backend's limit, the guard */
+  uint64_t peers;          /* devices granted access to the pages, one bit each */
+  uint64_t waits;          /* host backend: event waits that found the event not yet complete */
+  uint64_t errors;         /* host backend: a map of a mapped page, an unmap of an unmapped one, a
+                            * range freed with pages mapped, a stretch outside every range (an
+                            * unmap while a stream captures counts as a capture violation) */
+} ia_mapping_counters_t;
+
+void ia_host_mapping_counters(const ia_backend_t *backend, ia_mapping_counters_t *out);
+/* Whether every page that [at, at + size) touches is mapped now (false outside every range). */
+bool ia_host_range_mapped(const ia_backend_t *backend, uintptr_t at, size_t size);
+
 /* The CUDA runtime, loaded with dlopen at run time so that the core builds without CUDA.
  * cudart_path names the library to load (NULL: a libcudart already loaded in the process); the
  * first successful load stays for the life of the process. One backend per device: reservations
@@ -72,6 +99,15 @@ ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backe
 ia_status_t ia_cuda_device_attribute(int device, int attribute, int *value);
 ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes);
 const char *ia_cuda_last_error(void);
+
+/* The CUDA driver's virtual memory management (cuMemAddressReserve, cuMemCreate, cuMemMap and
+ * their inverses) from libcuda.so.1, loaded at run time as the runtime is: a mapping backend whose
+ * pages are the driver's allocation granularity (2 MiB on current GPUs), one physical allocation
+ * each, mapped read-write for the device. Events and ordinary reservations are the runtime
+ * backend's of the same device. ia_vmm_supported: IA_OK when the driver loads and the device
+ * reports virtual memory management, else why not in ia_cuda_last_error(). */
+ia_status_t ia_vmm_supported(int device, const char *cudart_path);
+ia_status_t ia_vmm_backend_create(int device, const char *cudart_path, ia_backend_t **out);
 
 /* Unified memory: a backend wrapper that checks host memory before every reservation and commits
  * the pages of what it reserves. Available host memory is MemAvailable from a meminfo-format file,
@@ -108,6 +144,9 @@ bool ia_memory_is_unified(const ia_memory_attributes_t *attributes);
 ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_root, ia_host_memory_t *out);
 /* The guard takes the inner backend and destroys it with itself. */
 ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_t *opts, ia_backend_t **out);
+/* Over a mapping backend the guard checks host memory before every map instead (an address range
+ * costs none) and commits what it maps; these count what went through it. */
+void ia_guard_mapping_counters(const ia_backend_t *guard, ia_mapping_counters_t *out);
 /* Why the last refusal or read failure of this thread happened. */
 const char *ia_guard_last_message(void);
 
@@ -115,9 +154,9 @@ const char *ia_guard_last_message(void);
  * Statistics: one declaration per field. X(type, name, description)
  * ---------------------------------------------------------------------------------------------- */
 #define IA_STAT_FIELDS(X)                                                                          \
-  X(uint64_t, capacity, "bytes reserved from the backend and held now")                          \
+  X(uint64_t, capacity, "bytes reserved from the backend and held now (mapped, over a mapping backend)") \
   X(uint64_t, capacity_peak, "most bytes reserved at once")                                      \
-  X(uint64_t, regions, "reservations held now")                                                  \
+  X(uint64_t, regions, "reservations held now (mapped stretches of the address range)")         \
   X(uint64_t, in_use, "bytes handed out in live blocks (rounded to the alignment)")              \
   X(uint64_t, in_use_peak, "most bytes handed out at once")                                      \
   X(uint64_t, requested, "bytes asked for by live blocks, before rounding")                      \
@@ -132,9 +171,9 @@ const char *ia_guard_last_message(void);
   X(uint64_t, largest_free, "size of the largest free block")                                    \
   X(uint64_t, free_blocks, "number of free blocks")                                              \
   X(double, fragmentation, "1 - largest_free / free_bytes (0 when nothing is free)")            \
-  X(uint64_t, backend_reserves, "reservations asked of the backend")                             \
-  X(uint64_t, backend_releases, "reservations given back to the backend")                        \
-  X(uint64_t, backend_failures, "reservations the backend or the host-memory guard refused")     \
+  X(uint64_t, backend_reserves, "reservations (or page mappings) asked of the backend")          \
+  X(uint64_t, backend_releases, "reservations given back (or pages unmapped) to the backend")    \
+  X(uint64_t, backend_failures, "reservations or mappings the backend or the guard refused")     \
   X(uint64_t, retries, "growths that released cached regions and asked again")                  \
   X(uint64_t, event_records, "stream events recorded to order cross-stream reuse")               \
   X(uint64_t, stream_waits, "streams made to wait on another stream's free")
@@ -176,6 +215,13 @@ typedef struct ia_arena_options {
    * cache hit may hand out a block up to 1/32 larger than best fit would (same size class). */
   size_t thread_cache;
   size_t thread_cache_block;
+  /* Growable mode over a backend that maps pages: bytes of the one address range reserved at
+   * creation, rounded up to the page (0: the arena reserves regions, as over any backend). Its
+   * regions are then the range's mapped stretches, in address order: growth maps the pages a
+   * request lacks, after free space where it can (region_min, region_round and
+   * region_exact_above do not apply), and ia_arena_release_cached unmaps the whole pages of free
+   * blocks. Capacity and limit count mapped bytes. The page must be a multiple of the alignment. */
+  size_t address_range;
 } ia_arena_options_t;
 
 typedef struct ia_block_info {
@@ -207,7 +253,9 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *arena, void *at, size_t size, ia_strea
 ia_status_t ia_arena_free(ia_arena_t *arena, void *ptr, ia_stream_t stream);
 /* The block at ptr is also used on `stream`: its free will order that stream's work before reuse. */
 ia_status_t ia_arena_record_stream(ia_arena_t *arena, void *ptr, ia_stream_t stream);
-/* Growable mode: gives fully free regions back to the backend; returns the bytes released. */
+/* Growable mode: gives fully free regions back to the backend, or, over a mapping backend, unmaps
+ * the whole pages inside free blocks once no stream work can still touch them (waiting for it where
+ * the backend can wait); nothing while a stream of the device captures. Returns the bytes. */
 uint64_t ia_arena_release_cached(ia_arena_t *arena);
 
 bool ia_arena_owns(ia_arena_t *arena, const void *ptr);
@@ -217,6 +265,11 @@ size_t ia_arena_alignment(const ia_arena_t *arena);
 /* Copies up to `cap` entries in address order within each region; returns how many exist. */
 size_t ia_arena_blocks(ia_arena_t *arena, ia_block_info_t *out, size_t cap);
 size_t ia_arena_regions(ia_arena_t *arena, ia_region_info_t *out, size_t cap);
+/* A mapping arena's page (0: an arena of reservations) and its one address range (false: none). */
+size_t ia_arena_page_size(const ia_arena_t *arena);
+bool ia_arena_address_range(const ia_arena_t *arena, ia_region_info_t *out);
+/* The backend the arena took (tests read the host backend's or the guard's counters through it). */
+const ia_backend_t *ia_arena_backend(const ia_arena_t *arena);
 /* Walks every region: blocks tile it exactly, no two neighbours are both free, the free bins and
  * the live-block table agree with the blocks, the counters agree with the walk.
  * Returns true when all hold; otherwise writes what broke into msg. */
@@ -281,6 +334,13 @@ typedef struct ia_plugin_config {
   const char *oom_report_path;/* NULL: none; else written on every out-of-memory */
   void (*raise_oom)(const char *message); /* throws c10::OutOfMemoryError; never returns */
   int host_memory;            /* tests: arenas reserve host memory (the host backend), no CUDA */
+  /* The general pools: -1 (auto): each over one address range whose pages are mapped as blocks
+   * need them (CUDA's virtual memory management) where the driver supports it, else regions;
+   * 0: regions (one cudaMalloc each); 1: mapped, or the device's creation fails saying why.
+   * With host_memory, mapped means the host backend's simulation (-1 and 1 alike). */
+  int expandable;
+  size_t address_range;       /* mapped pools: bytes of each range (0: the device's memory; host: 8 GiB) */
+  size_t host_page_size;      /* host_memory: the simulated page (0: 2 MiB) */
 } ia_plugin_config_t;
 
 /* Refused (IA_ERR_INVALID_ARGUMENT) once any device has its arenas. */
@@ -290,6 +350,8 @@ ia_status_t ia_plugin_reserve(int device);
 const char *ia_plugin_failure(void);
 ia_arena_t *ia_plugin_arena(int device, int pool); /* NULL until the device has its arenas */
 bool ia_plugin_device_unified(int device);
+/* Whether the device's general pools map pages of one address range (false before its first use). */
+bool ia_plugin_device_expandable(int device);
 /* Device-wide sums over its pools; the peaks are true peaks of the sums. */
 typedef struct ia_device_totals {
   uint64_t in_use, in_use_peak, capacity, capacity_peak;
@@ -363,6 +425,10 @@ void ia_torch_free(void *ptr);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
 void ia_torch_memory_fraction(double fraction, int device);
+/* torch's enablePeerAccess(dev, dev_to_access): the pages of dev_to_access's mapped general pools,
+ * mapped now or later, become reachable from dev (regions need nothing: cudaDeviceEnablePeerAccess
+ * covers them). Remembered for a device whose pools do not exist yet. */
+ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access);
 /* All of the above that the process-scope allocator calls, in one table: it is a separate library
  * built against the installed torch, and the core exports nothing it does not have to. */
 typedef struct ia_torch_entry_points {
@@ -383,6 +449,7 @@ typedef struct ia_torch_entry_points {
   uint64_t (*ooms)(void);
   uint64_t (*retries)(void);
   const char *(*status_str)(ia_status_t status);
+  ia_status_t (*enable_peer_access)(int dev, int dev_to_access);
 } ia_torch_entry_points_t;
 const ia_torch_entry_points_t *ia_torch_entry_points(void);
 

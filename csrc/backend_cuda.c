@@ -6,6 +6,7 @@
  * Python layer passes that library's path. */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -202,6 +203,14 @@ static bool cuda_stream_capturing(ia_backend_t *self, ia_stream_t stream) {
   return rt.cudaStreamIsCapturing((void *)stream, &status) == CUDA_SUCCESS && status != CUDA_CAPTURE_STATUS_NONE;
 }
 
+static ia_status_t cuda_event_wait(ia_backend_t *self, void *event) {
+  (void)self;
+  int mode = relaxed_enter();
+  int err = rt.cudaEventSynchronize(event);
+  relaxed_exit(mode);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaEventSynchronize");
+}
+
 /* A capturing stream may not wait on an event recorded outside its capture, so the host waits for
  * it instead: the captured work runs at replay, after that wait. */
 static ia_status_t cuda_stream_wait(ia_backend_t *self, ia_stream_t stream, void *event) {
@@ -235,6 +244,7 @@ ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backe
       .destroy = cuda_destroy,
       .commit = cuda_commit,
       .stream_capturing = cuda_stream_capturing,
+      .event_wait = cuda_event_wait,
   };
   c->device = device;
   *out = &c->base;
@@ -263,4 +273,37 @@ ia_status_t ia_cuda_mem_info(int device, size_t *free_bytes, size_t *total_bytes
   if (err == CUDA_SUCCESS) err = rt.cudaMemGetInfo(free_bytes, total_bytes);
   guard_exit(&g);
   return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaMemGetInfo");
+}
+
+/* ---- for backend_vmm.c ------------------------------------------------------------------------- */
+
+ia_status_t _ia_cuda_enter(_ia_cuda_scope_t *s, int device) {
+  device_guard_t g;
+  int err = guard_enter(&g, device);
+  s->previous = g.previous;
+  s->switched = g.switched;
+  if (err != CUDA_SUCCESS) {
+    guard_exit(&g);
+    return fail(err, "cudaSetDevice");
+  }
+  s->mode = relaxed_enter();
+  return IA_OK;
+}
+
+void _ia_cuda_exit(_ia_cuda_scope_t *s) {
+  relaxed_exit(s->mode);
+  device_guard_t g = {.previous = s->previous, .switched = s->switched};
+  guard_exit(&g);
+}
+
+ia_status_t _ia_cuda_bind_context(void) {
+  int err = rt.cudaFree(NULL);
+  return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaFree(NULL), which binds the device's context to the thread");
+}
+
+void _ia_cuda_error(const char *format, ...) {
+  va_list args;
+  va_start(args, format);
+  vsnprintf(last_error, sizeof last_error, format, args);
+  va_end(args);
 }

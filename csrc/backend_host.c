@@ -10,9 +10,18 @@
  * backends) records captured events; querying a captured event, a wait between a captured event
  * and a stream outside that capture, and giving a reservation back while any stream captures are
  * violations. A capturing stream's wait on an outside event is made on the host, as the CUDA
- * backend does, and counted as a host wait. */
+ * backend does, and counted as a host wait.
+ *
+ * Page mapping (ia_host_mapping_backend_create) is simulated with the kernel's own pages: an
+ * address range is an inaccessible mapping (PROT_NONE), a mapped page is made read-write and
+ * starts zero-filled, an unmapped page is replaced by a fresh inaccessible one, so its contents are
+ * gone and any touch faults, as it would on a device. One byte per page says whether it is mapped;
+ * every call the CUDA driver would refuse (a map of a mapped page, an unmap of an unmapped one, a
+ * range freed with pages in it) is counted as an error instead; unmapping while a stream captures
+ * is a capture violation, as giving a reservation back is. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -83,15 +92,24 @@ static bool host_stream_capturing(ia_backend_t *self, ia_stream_t stream) {
   return capture_of(stream) != 0;
 }
 
+typedef struct host_range {
+  uintptr_t base;
+  size_t size;
+  uint8_t *mapped; /* one byte per page */
+  struct host_range *next;
+} host_range_t;
+
 typedef struct {
   ia_backend_t base;
   pthread_mutex_t lock;
-  size_t limit, reserved;
+  size_t limit, reserved; /* reserved: ordinary reservations and mapped pages */
   bool auto_complete;
   stream_clock_t *clocks;
   size_t n_clocks, cap_clocks;
   wait_count_t *waits;
   size_t n_waits, cap_waits;
+  host_range_t *ranges;
+  ia_mapping_counters_t counters;
 } host_backend_t;
 
 static host_backend_t *host(ia_backend_t *b) { return (host_backend_t *)b; }
@@ -126,11 +144,16 @@ static ia_status_t host_reserve(ia_backend_t *self, size_t size, void **out) {
   return IA_OK;
 }
 
+static bool any_capturing(void) {
+  pthread_mutex_lock(&captures.lock);
+  bool any = captures.count > 0;
+  pthread_mutex_unlock(&captures.lock);
+  return any;
+}
+
 static void host_release(ia_backend_t *self, void *base, size_t size) {
   host_backend_t *h = host(self);
-  pthread_mutex_lock(&captures.lock);
-  if (captures.count) atomic_fetch_add(&captures.violations, 1);
-  pthread_mutex_unlock(&captures.lock);
+  if (any_capturing()) atomic_fetch_add(&captures.violations, 1);
   munmap(base, size);
   pthread_mutex_lock(&h->lock);
   h->reserved -= size;
@@ -206,8 +229,180 @@ static ia_status_t host_stream_wait(ia_backend_t *self, ia_stream_t stream, void
   return st;
 }
 
+/* A host thread that waits for a stream's work: on the host nothing is queued, so the wait is
+ * what completes it. */
+static ia_status_t host_event_wait(ia_backend_t *self, void *event) {
+  host_backend_t *h = host(self);
+  host_event_t *e = event;
+  if (e->capture) atomic_fetch_add(&captures.violations, 1);
+  pthread_mutex_lock(&h->lock);
+  stream_clock_t *c = clock_of(h, e->stream);
+  if (c && c->completed < e->seq) {
+    c->completed = e->seq;
+    h->counters.waits++;
+  }
+  pthread_mutex_unlock(&h->lock);
+  return c ? IA_OK : IA_ERR_NO_HOST_MEMORY;
+}
+
+/* ---- page mapping ------------------------------------------------------------------------------ */
+
+/* The range holding [at, at + size), when the stretch is page-aligned and inside one; under h->lock. */
+static host_range_t *stretch_range(host_backend_t *h, uintptr_t at, size_t size) {
+  size_t page = h->base.page_size;
+  if (!size || at % page || size % page) return NULL;
+  for (host_range_t *r = h->ranges; r; r = r->next)
+    if (at >= r->base && at - r->base < r->size && size <= r->size - (at - r->base)) return r;
+  return NULL;
+}
+
+/* Replaces [at, at + size) with fresh inaccessible pages: what was there is gone. */
+static void discard(uintptr_t at, size_t size) {
+  mmap((void *)at, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+}
+
+static ia_status_t host_address_reserve(ia_backend_t *self, size_t size, void **out) {
+  host_backend_t *h = host(self);
+  size_t page = self->page_size;
+  if (!size || size % page || size > SIZE_MAX - page) return IA_ERR_INVALID_ARGUMENT;
+  host_range_t *r = calloc(1, sizeof *r);
+  uint8_t *mapped = calloc(size / page, 1);
+  /* A page more than asked, so that a start on a page boundary lies inside; the rest is trimmed. */
+  void *raw = r && mapped ? mmap(NULL, size + page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+                          : MAP_FAILED;
+  if (raw == MAP_FAILED) {
+    free(r);
+    free(mapped);
+    return IA_ERR_BACKEND_OUT_OF_MEMORY;
+  }
+  uintptr_t lo = (uintptr_t)raw, base = _ia_align_up(lo, page);
+  if (base > lo) munmap(raw, base - lo);
+  if (lo + page > base) munmap((void *)(base + size), lo + page - base);
+  *r = (host_range_t){.base = base, .size = size, .mapped = mapped};
+  pthread_mutex_lock(&h->lock);
+  r->next = h->ranges;
+  h->ranges = r;
+  h->counters.ranges++;
+  h->counters.range_reserves++;
+  pthread_mutex_unlock(&h->lock);
+  *out = (void *)base;
+  return IA_OK;
+}
+
+static void host_address_free(ia_backend_t *self, void *base, size_t size) {
+  host_backend_t *h = host(self);
+  pthread_mutex_lock(&h->lock);
+  host_range_t **link = &h->ranges;
+  while (*link && !((*link)->base == (uintptr_t)base && (*link)->size == size)) link = &(*link)->next;
+  host_range_t *r = *link;
+  if (r) {
+    *link = r->next;
+    size_t page = self->page_size, still = 0;
+    for (size_t i = 0; i < size / page; i++) still += r->mapped[i];
+    if (still) { /* the driver refuses this; count it, and give the pages back anyway */
+      h->counters.errors++;
+      h->reserved -= still * page;
+      h->counters.mapped -= still * page;
+    }
+    h->counters.ranges--;
+  } else {
+    h->counters.errors++;
+  }
+  pthread_mutex_unlock(&h->lock);
+  if (r) {
+    munmap(base, size);
+    free(r->mapped);
+    free(r);
+  }
+}
+
+static ia_status_t host_map(ia_backend_t *self, void *at, size_t size) {
+  host_backend_t *h = host(self);
+  uintptr_t p = (uintptr_t)at;
+  size_t page = self->page_size;
+  ia_status_t st = IA_OK;
+  pthread_mutex_lock(&h->lock);
+  host_range_t *r = stretch_range(h, p, size);
+  size_t first = r ? (p - r->base) / page : 0, n = size / page;
+  for (size_t i = 0; r && i < n && st == IA_OK; i++)
+    if (r->mapped[first + i]) st = IA_ERR_INVALID_ARGUMENT;
+  if (!r || st != IA_OK) {
+    h->counters.errors++;
+    st = IA_ERR_INVALID_ARGUMENT;
+  } else if (h->limit && (size > h->limit || h->reserved > h->limit - size)) {
+    st = IA_ERR_BACKEND_OUT_OF_MEMORY;
+  } else if (mprotect(at, size, PROT_READ | PROT_WRITE) != 0) {
+    st = IA_ERR_BACKEND_OUT_OF_MEMORY;
+  }
+  if (st == IA_OK) {
+    memset(r->mapped + first, 1, n);
+    h->reserved += size;
+    ia_mapping_counters_t *c = &h->counters;
+    c->maps++;
+    c->pages_mapped += n;
+    c->mapped += size;
+    if (c->mapped > c->mapped_peak) c->mapped_peak = c->mapped;
+  } else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) {
+    h->counters.refusals++;
+  }
+  pthread_mutex_unlock(&h->lock);
+  return st;
+}
+
+static void host_unmap(ia_backend_t *self, void *at, size_t size) {
+  host_backend_t *h = host(self);
+  uintptr_t p = (uintptr_t)at;
+  size_t page = self->page_size;
+  if (any_capturing()) atomic_fetch_add(&captures.violations, 1);
+  pthread_mutex_lock(&h->lock);
+  host_range_t *r = stretch_range(h, p, size);
+  size_t first = r ? (p - r->base) / page : 0, n = size / page;
+  bool all_mapped = r != NULL;
+  for (size_t i = 0; r && i < n; i++) all_mapped &= r->mapped[first + i] == 1;
+  if (!all_mapped) h->counters.errors++;
+  if (all_mapped) {
+    discard(p, size);
+    memset(r->mapped + first, 0, n);
+    h->reserved -= size;
+    h->counters.unmaps++;
+    h->counters.pages_unmapped += n;
+    h->counters.mapped -= size;
+  }
+  pthread_mutex_unlock(&h->lock);
+}
+
+static ia_status_t host_grant_access(ia_backend_t *self, int peer) {
+  if (peer < 0 || peer >= 64) return IA_ERR_INVALID_ARGUMENT;
+  host_backend_t *h = host(self);
+  pthread_mutex_lock(&h->lock);
+  h->counters.peers |= 1ull << peer;
+  pthread_mutex_unlock(&h->lock);
+  return IA_OK;
+}
+
+void ia_host_mapping_counters(const ia_backend_t *b, ia_mapping_counters_t *out) {
+  host_backend_t *h = host((ia_backend_t *)b);
+  pthread_mutex_lock(&h->lock);
+  *out = h->counters;
+  pthread_mutex_unlock(&h->lock);
+}
+
+bool ia_host_range_mapped(const ia_backend_t *b, uintptr_t at, size_t size) {
+  host_backend_t *h = host((ia_backend_t *)b);
+  size_t page = b->page_size;
+  if (!page || !size || at > UINTPTR_MAX - size) return false;
+  uintptr_t lo = at & ~(uintptr_t)(page - 1), hi = _ia_align_up(at + size, page);
+  pthread_mutex_lock(&h->lock);
+  host_range_t *r = stretch_range(h, lo, hi - lo);
+  bool mapped = r != NULL;
+  for (uintptr_t q = lo; r && q < hi; q += page) mapped &= r->mapped[(q - r->base) / page] == 1;
+  pthread_mutex_unlock(&h->lock);
+  return mapped;
+}
+
 static void host_destroy(ia_backend_t *self) {
   host_backend_t *h = host(self);
+  while (h->ranges) host_address_free(self, (void *)h->ranges->base, h->ranges->size);
   pthread_mutex_destroy(&h->lock);
   free(h->clocks);
   free(h->waits);
@@ -230,11 +425,30 @@ ia_status_t ia_host_backend_create(size_t limit_bytes, ia_backend_t **out) {
       .destroy = host_destroy,
       .commit = host_commit,
       .stream_capturing = host_stream_capturing,
+      .event_wait = host_event_wait,
   };
   pthread_mutex_init(&h->lock, NULL);
   h->limit = limit_bytes;
   h->auto_complete = true;
   *out = &h->base;
+  return IA_OK;
+}
+
+ia_status_t ia_host_mapping_backend_create(size_t limit_bytes, size_t page_size, ia_backend_t **out) {
+  *out = NULL;
+  if (!_ia_is_pow2(page_size) || page_size % (size_t)sysconf(_SC_PAGESIZE) || page_size > ((size_t)1 << 30))
+    return IA_ERR_INVALID_ARGUMENT;
+  ia_status_t st = ia_host_backend_create(limit_bytes, out);
+  if (st != IA_OK) return st;
+  ia_backend_t *b = *out;
+  b->name = "host (mapping)";
+  b->page_size = page_size;
+  b->address_reserve = host_address_reserve;
+  b->address_free = host_address_free;
+  b->map = host_map;
+  b->unmap = host_unmap;
+  b->grant_access = host_grant_access;
+  host(b)->counters.page_size = page_size;
   return IA_OK;
 }
 

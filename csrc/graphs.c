@@ -388,6 +388,7 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
       .event_done = carve_event_done,
       .stream_wait = carve_stream_wait,
       .stream_capturing = events->stream_capturing ? carve_stream_capturing : NULL,
+      .event_wait = events->event_wait ? carve_event_wait : NULL,
       .destroy = carve_destroy,
   };
   c->parent = parent;

@@ -1,7 +1,11 @@
 /* The unified-memory guard. On an integrated GPU the device allocates from host memory, and the
  * driver keeps granting reservations until the machine itself runs dry (then the process hangs in
  * the driver instead of failing). So before every reservation the guard reads what the host can
- * still give and refuses early, with a reason, when the request would eat into the headroom. */
+ * still give and refuses early, with a reason, when the request would eat into the headroom.
+ *
+ * Over a mapping backend physical memory is committed when pages are mapped, not when the address
+ * range is reserved, so the check moves to every map (and the commit with it), and the guard counts
+ * what it let through. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,12 +95,14 @@ typedef struct {
   ia_backend_t *inner;
   ia_guard_options_t opts;
   char *meminfo_path, *cgroup_root;
+  ia_mapping_counters_t counters; /* under the arena's lock, like every backend call */
 } guard_backend_t;
 
 static guard_backend_t *guard(ia_backend_t *b) { return (guard_backend_t *)b; }
 
-static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
-  guard_backend_t *g = guard(self);
+/* IA_OK when `size` more bytes of device memory leave the headroom of host memory; `verb` says
+ * what was asked ("reserving", "mapping"). */
+static ia_status_t check_room(guard_backend_t *g, size_t size, const char *verb) {
   char need[32], avail[32], head[32];
   ia_host_memory_t mem = {0};
   if (g->opts.available_fn) {
@@ -106,9 +112,9 @@ static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
     char why[256];
     snprintf(why, sizeof why, "%.200s", last_message);
     snprintf(last_message, sizeof last_message,
-             "unified memory: %s, so the host memory left is unknown and the reservation of %s was "
-             "refused; point meminfo in INDEXER_ARENA_CONF at a readable file",
-             why, _ia_format_bytes(size, need, sizeof need));
+             "unified memory: %s, so the host memory left is unknown and %s %s was refused; point "
+             "meminfo in INDEXER_ARENA_CONF at a readable file",
+             why, verb, _ia_format_bytes(size, need, sizeof need));
     return IA_ERR_HOST_MEMORY_GUARD;
   }
   if (size > mem.available || mem.available - size < g->opts.headroom) {
@@ -117,14 +123,21 @@ static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
       snprintf(cg, sizeof cg, ", cgroup limit %" PRIu64 " MiB with %" PRIu64 " MiB in use",
                mem.cgroup_limit >> 20, mem.cgroup_usage >> 20);
     snprintf(last_message, sizeof last_message,
-             "unified memory: reserving %s would leave less than the %s headroom of host memory "
+             "unified memory: %s %s would leave less than the %s headroom of host memory "
              "(available %s: MemAvailable %" PRIu64 " MiB%s); the GPU takes its memory from the "
              "host here, so the request was refused before asking the driver",
-             _ia_format_bytes(size, need, sizeof need), _ia_format_bytes(g->opts.headroom, head, sizeof head),
+             verb, _ia_format_bytes(size, need, sizeof need), _ia_format_bytes(g->opts.headroom, head, sizeof head),
              _ia_format_bytes(mem.available, avail, sizeof avail), mem.mem_available >> 20, cg);
     return IA_ERR_HOST_MEMORY_GUARD;
   }
-  ia_status_t st = g->inner->reserve(g->inner, size, out);
+  return IA_OK;
+}
+
+static ia_status_t guard_reserve(ia_backend_t *self, size_t size, void **out) {
+  guard_backend_t *g = guard(self);
+  ia_status_t st = check_room(g, size, "reserving");
+  if (st != IA_OK) return st;
+  st = g->inner->reserve(g->inner, size, out);
   /* Touch the pages now, so later use of the reservation needs no new host memory. */
   if (st == IA_OK && g->inner->commit && (st = g->inner->commit(g->inner, *out, size)) != IA_OK)
     g->inner->release(g->inner, *out, size);
@@ -136,6 +149,57 @@ static void guard_release(ia_backend_t *self, void *base, size_t size) {
   guard_inner(self)->release(guard_inner(self), base, size);
 }
 IA_FORWARD_EVENTS(guard, guard_inner)
+
+static ia_status_t guard_address_reserve(ia_backend_t *self, size_t size, void **out) {
+  ia_status_t st = guard_inner(self)->address_reserve(guard_inner(self), size, out);
+  if (st == IA_OK) {
+    guard(self)->counters.ranges++;
+    guard(self)->counters.range_reserves++;
+  }
+  return st;
+}
+
+static void guard_address_free(ia_backend_t *self, void *base, size_t size) {
+  guard_inner(self)->address_free(guard_inner(self), base, size);
+  guard(self)->counters.ranges--;
+}
+
+static ia_status_t guard_map(ia_backend_t *self, void *at, size_t size) {
+  guard_backend_t *g = guard(self);
+  ia_mapping_counters_t *c = &g->counters;
+  ia_status_t st = check_room(g, size, "mapping");
+  if (st == IA_OK) st = g->inner->map(g->inner, at, size);
+  /* Touch the pages now, so later use of them needs no new host memory. */
+  if (st == IA_OK && g->inner->commit && (st = g->inner->commit(g->inner, at, size)) != IA_OK)
+    g->inner->unmap(g->inner, at, size);
+  if (st != IA_OK) {
+    c->refusals++;
+    return st;
+  }
+  c->maps++;
+  c->pages_mapped += size / self->page_size;
+  c->mapped += size;
+  if (c->mapped > c->mapped_peak) c->mapped_peak = c->mapped;
+  return IA_OK;
+}
+
+static void guard_unmap(ia_backend_t *self, void *at, size_t size) {
+  guard_backend_t *g = guard(self);
+  g->inner->unmap(g->inner, at, size);
+  g->counters.unmaps++;
+  g->counters.pages_unmapped += size / self->page_size;
+  g->counters.mapped -= size;
+}
+
+static ia_status_t guard_grant_access(ia_backend_t *self, int peer) {
+  ia_status_t st = guard_inner(self)->grant_access(guard_inner(self), peer);
+  if (st == IA_OK && peer >= 0 && peer < 64) guard(self)->counters.peers |= 1ull << peer;
+  return st;
+}
+
+void ia_guard_mapping_counters(const ia_backend_t *b, ia_mapping_counters_t *out) {
+  *out = ((const guard_backend_t *)b)->counters;
+}
 
 static void guard_destroy(ia_backend_t *self) {
   guard_backend_t *g = guard(self);
@@ -164,7 +228,17 @@ ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_
       .stream_wait = guard_stream_wait,
       .stream_capturing = inner->stream_capturing ? guard_stream_capturing : NULL,
       .destroy = guard_destroy,
+      .event_wait = inner->event_wait ? guard_event_wait : NULL,
   };
+  if (inner->page_size) {
+    g->base.page_size = inner->page_size;
+    g->base.address_reserve = guard_address_reserve;
+    g->base.address_free = guard_address_free;
+    g->base.map = guard_map;
+    g->base.unmap = guard_unmap;
+    g->base.grant_access = inner->grant_access ? guard_grant_access : NULL;
+    g->counters.page_size = inner->page_size;
+  }
   g->inner = inner;
   g->opts = *opts;
   g->meminfo_path = opts->meminfo_path ? strdup(opts->meminfo_path) : NULL;

@@ -39,10 +39,30 @@ struct ia_backend {
    * outside work), so stream_wait must handle that case; events are never recorded on a
    * capturing stream by the arena's callers. */
   bool (*stream_capturing)(ia_backend_t *self, ia_stream_t stream);
+  /* Optional: blocks the host until the event has completed. An arena over a mapping backend
+   * waits this way before it unmaps pages whose last stream work may still run; without it those
+   * pages stay mapped until a later release finds the work done. */
+  ia_status_t (*event_wait)(ia_backend_t *self, void *event);
+  /* Optional, all or none: address space alone, and physical pages mapped into it (CUDA's
+   * virtual memory management, or the host backend's simulation of it). page_size is the
+   * granularity of map and unmap, a power of two (0: the backend does not map). A range from
+   * address_reserve starts at a multiple of page_size and holds no memory until pages are mapped
+   * into it. map and unmap take page-aligned stretches of one reserved range; map is only asked
+   * for pages not mapped and unmap only for mapped ones, so a backend may keep one physical
+   * allocation per page. address_free gets a whole range with nothing mapped in it. */
+  size_t page_size;
+  ia_status_t (*address_reserve)(ia_backend_t *self, size_t size, void **out);
+  void (*address_free)(ia_backend_t *self, void *base, size_t size);
+  ia_status_t (*map)(ia_backend_t *self, void *at, size_t size);
+  void (*unmap)(ia_backend_t *self, void *at, size_t size);
+  /* Optional, mapping backends: every page mapped now or later is readable and writable by device
+   * `peer` too (a driver's mapping is reachable only from the devices granted it). */
+  ia_status_t (*grant_access)(ia_backend_t *self, int peer);
 };
 
 /* A backend that wraps another hands it every event and stream operation: defines
- * prefix_event_create ... prefix_stream_capturing, each calling the same operation of inner(self). */
+ * prefix_event_create ... prefix_stream_capturing and prefix_event_wait, each calling the same
+ * operation of inner(self) (the optional ones are set only where the inner backend has them). */
 #define IA_FORWARD_EVENTS(prefix, inner)                                                               \
   static ia_status_t prefix##_event_create(ia_backend_t *self, void **ev) {                           \
     return inner(self)->event_create(inner(self), ev);                                                 \
@@ -57,7 +77,23 @@ struct ia_backend {
   }                                                                                                    \
   static bool prefix##_stream_capturing(ia_backend_t *self, ia_stream_t s) {                          \
     return inner(self)->stream_capturing(inner(self), s);                                              \
+  }                                                                                                    \
+  static ia_status_t prefix##_event_wait(ia_backend_t *self, void *ev) {                              \
+    return inner(self)->event_wait(inner(self), ev);                                                   \
   }
+
+/* backend_cuda.c for backend_vmm.c: driver calls for a device run between enter and exit, with
+ * the device current and this thread in relaxed capture mode, as the runtime backend's own calls
+ * do. bind_context makes the runtime bind the device's context to the thread (cudaFree(NULL)), for
+ * a thread that has none yet. _ia_cuda_error sets what ia_cuda_last_error() says. */
+typedef struct {
+  int previous, mode;
+  bool switched;
+} _ia_cuda_scope_t;
+ia_status_t _ia_cuda_enter(_ia_cuda_scope_t *s, int device);
+void _ia_cuda_exit(_ia_cuda_scope_t *s);
+ia_status_t _ia_cuda_bind_context(void);
+void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)));
 
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
@@ -114,6 +150,8 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
 void _ia_plugin_flush_events(int device);
 void _ia_arena_flush_events(ia_arena_t *arena);
 bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
+/* A mapping arena's pages become reachable from device `peer` (IA_OK and nothing else otherwise). */
+ia_status_t _ia_arena_grant_access(ia_arena_t *arena, int peer);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
 /* A free the plugin must hold back until no stream of the device captures; true when held. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
@@ -174,8 +212,9 @@ typedef struct _ia_block {
   ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
   uint32_t n_uses, cap_uses;
   /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
-   * arena's lock and the cache's; while lent, the fields above except addr, size and the physical
-   * links belong to the cache (its lock), and the arena neither splits nor merges the block. */
+   * arena's lock and the cache's; while lent, the fields above except addr, size, region and the
+   * physical links belong to the cache (its lock), and the arena neither splits nor merges the
+   * block (a mapped arena's cut and join rename the region of every block of a stretch). */
   _ia_tcache_t *cache;
   uint16_t fl, sl;
   bool is_free; /* in one of the arena's classes */

@@ -12,6 +12,11 @@
  * thread keeps a cache of its own freed blocks in them (thread_cache.c), so that threads allocating
  * at once do not queue on an arena's lock.
  * Region sizes follow PyTorch's own caching allocator so that peak memory stays comparable.
+ * Where the driver maps pages (expandable, default auto), each general arena is instead one
+ * address range of the device's size whose 2 MiB pages are mapped as blocks need them and unmapped
+ * by torch.cuda.empty_cache(), as PyTorch's expandable segments: the region sizes above then do not
+ * apply, and free space is never cut at a region's end. Graph pools and the workspace keep
+ * reservations.
  *
  * Workspace scope (a torch.cuda.MemPool's backend, ia_pool_alloc/free): PyTorch's caching layer
  * sits on top and keeps every segment it is given while the pool lives, so the pool is handed one
@@ -60,6 +65,9 @@ typedef struct {
   ia_arena_t *arenas[IA_POOL_COUNT];
   ia_totals_t totals;
   bool unified;
+  bool expandable;      /* the general arenas map pages of one address range each, this big: */
+  size_t address_range;
+  uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
   _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
   _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
 } device_slot_t;
@@ -103,9 +111,13 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
   return st;
 }
 
-static ia_status_t make_backend(int device, bool unified, ia_backend_t **out) {
-  ia_status_t st = plugin.config.host_memory ? ia_host_backend_create(0, out)
-                                             : ia_cuda_backend_create(device, plugin.config.cudart_path, out);
+static ia_status_t make_backend(int device, bool unified, bool mapped, ia_backend_t **out) {
+  size_t page = plugin.config.host_page_size ? plugin.config.host_page_size : 2 * MiB;
+  const char *cudart = plugin.config.cudart_path;
+  ia_status_t st = plugin.config.host_memory ? (mapped ? ia_host_mapping_backend_create(0, page, out)
+                                                       : ia_host_backend_create(0, out))
+                                             : (mapped ? ia_vmm_backend_create(device, cudart, out)
+                                                       : ia_cuda_backend_create(device, cudart, out));
   if (st != IA_OK || !unified) return st;
   ia_guard_options_t g = {.meminfo_path = plugin.config.meminfo_path, .cgroup_root = plugin.config.cgroup_root,
                           .headroom = plugin.config.host_headroom};
@@ -118,7 +130,9 @@ size_t ia_plugin_pool_segment(void) {
 }
 
 static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
-  ia_totals_t *totals = &plugin.devices[device].totals;
+  device_slot_t *slot = &plugin.devices[device];
+  ia_totals_t *totals = &slot->totals;
+  bool mapped = pool != IA_POOL_WORKSPACE && slot->expandable;
   ia_arena_options_t o;
   ia_arena_default_options(&o);
   if (pool == IA_POOL_WORKSPACE) {
@@ -133,9 +147,10 @@ static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **o
     o.region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * MiB;
     o.thread_cache = pool == IA_POOL_SMALL ? SMALL_THREAD_CACHE : LARGE_THREAD_CACHE;
     o.thread_cache_block = pool == IA_POOL_SMALL ? SMALL_REQUEST : LARGE_THREAD_CACHE_BLOCK;
+    o.address_range = mapped ? slot->address_range : 0;
   }
   ia_backend_t *backend;
-  ia_status_t st = make_backend(device, unified, &backend);
+  ia_status_t st = make_backend(device, unified, mapped, &backend);
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   if (st == IA_OK) _ia_arena_set_totals(*out, totals);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, &plugin.devices[device].owner);
@@ -151,6 +166,34 @@ static void describe_backend_failure(ia_status_t st) {
                     : (st == IA_ERR_BACKEND || st == IA_ERR_BACKEND_OUT_OF_MEMORY) ? ia_cuda_last_error()
                                                                                    : ia_status_str(st);
   snprintf(failure, sizeof failure, "%s", why && why[0] ? why : ia_status_str(st));
+}
+
+/* expandable: whether the device's general pools map pages, and how much address space each
+ * reserves. auto takes regions where the driver cannot map (ia_plugin_device_expandable says
+ * which); on refuses to, saying why. */
+static ia_status_t choose_mapping(int device, bool *mapped, size_t *range) {
+  *mapped = false;
+  *range = plugin.config.address_range;
+  if (plugin.config.scope != IA_SCOPE_PROCESS || plugin.config.expandable == 0) return IA_OK;
+  if (plugin.config.host_memory) {
+    *mapped = true;
+    if (!*range) *range = (size_t)8 << 30;
+    return IA_OK;
+  }
+  ia_status_t st = ia_vmm_supported(device, plugin.config.cudart_path);
+  if (st != IA_OK && plugin.config.expandable < 0) return IA_OK;
+  if (st != IA_OK) {
+    char why[700];
+    snprintf(why, sizeof why, "%.690s", ia_cuda_last_error());
+    _ia_cuda_error("expandable:on in INDEXER_ARENA_CONF, but %s; set expandable:auto or expandable:off to "
+                   "serve the general pools from regions (one cudaMalloc each)", why);
+    return st;
+  }
+  size_t free_bytes, total;
+  if (!*range && (st = ia_cuda_mem_info(device, &free_bytes, &total)) != IA_OK) return st;
+  if (!*range) *range = total;
+  *mapped = true;
+  return IA_OK;
 }
 
 static ia_status_t create_device(int device) {
@@ -170,8 +213,12 @@ static ia_status_t create_device(int device) {
       unified = st == IA_OK && ia_memory_is_unified(&attributes);
     }
     slot->owner = (_ia_owner_t){.device = device};
+    if (st == IA_OK) st = choose_mapping(device, &slot->expandable, &slot->address_range);
     for (int p = IA_POOL_SMALL; st == IA_OK && plugin.config.scope == IA_SCOPE_PROCESS && p < IA_POOL_COUNT; p++)
       st = make_arena(device, unified, p, &slot->arenas[p]);
+    for (int peer = 0; st == IA_OK && peer < MAX_DEVICES; peer++) /* asked before the pools existed */
+      for (int p = IA_POOL_SMALL; st == IA_OK && p < IA_POOL_COUNT && (slot->peers >> peer & 1); p++)
+        if (slot->arenas[p]) st = _ia_arena_grant_access(slot->arenas[p], peer);
     if (st != IA_OK) {
       if (plugin.configured) describe_backend_failure(st);
       for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++) {
@@ -240,6 +287,7 @@ ia_arena_t *ia_plugin_arena(int device, int pool) {
 }
 
 bool ia_plugin_device_unified(int device) { return device_ready(device) && plugin.devices[device].unified; }
+bool ia_plugin_device_expandable(int device) { return device_ready(device) && plugin.devices[device].expandable; }
 
 ia_device_totals_t ia_plugin_device_totals(int device) {
   ia_device_totals_t out = {0};
@@ -327,9 +375,11 @@ static void raise_oom(const char *message) {
 static size_t describe_arena(ia_arena_t *a, char *buf, size_t len) {
   ia_stats_t s;
   ia_arena_stats(a, &s);
-  char cap[32], used[32], largest[32];
-  return (size_t)snprintf(buf, len, "holds %s, %s in use, largest free block %s",
-                          _ia_format_bytes(s.capacity, cap, sizeof cap),
+  char cap[32], used[32], largest[32], page[32], pages[64] = "";
+  if (ia_arena_page_size(a))
+    snprintf(pages, sizeof pages, " mapped in %s pages", _ia_format_bytes(ia_arena_page_size(a), page, sizeof page));
+  return (size_t)snprintf(buf, len, "holds %s%s, %s in use, largest free block %s",
+                          _ia_format_bytes(s.capacity, cap, sizeof cap), pages,
                           _ia_format_bytes(s.in_use, used, sizeof used),
                           _ia_format_bytes(s.largest_free, largest, sizeof largest));
 }
@@ -360,7 +410,8 @@ static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
     snprintf(buf, len, " The pools may hold at most %.0f MiB here (torch.cuda.set_per_process_memory_fraction).",
              (double)atomic_load(&plugin.devices[device].totals.limit) / (double)MiB);
   else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(buf, len, " %s.", ia_guard_last_message());
-  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY) snprintf(buf, len, " %s.", ia_cuda_last_error());
+  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY || (st == IA_ERR_BACKEND && ia_cuda_last_error()[0]))
+    snprintf(buf, len, " %s.", ia_cuda_last_error()); /* a driver call's own words (mapping, too) */
   else snprintf(buf, len, " %s.", ia_status_str(st));
 }
 
@@ -382,8 +433,13 @@ __attribute__((noinline)) static void fail_alloc(int device, int pool, size_t si
              "INDEXER_ARENA_CONF (or VLLM_SPARSE_INDEXER_MAX_LOGITS_MB), or plan smaller pieces.%s",
              device, req, size, _ia_format_bytes(plugin.config.budget, budget, sizeof budget), state, hint);
   } else {
-    char why[640];
-    growth_refusal(st, device, why, sizeof why);
+    char why[640], range[32];
+    ia_region_info_t r;
+    if (st == IA_ERR_OUT_OF_MEMORY && ia_arena_address_range(a, &r))
+      snprintf(why, sizeof why, " No gap of its %s address range can take it (mapped pools reserve the "
+               "device's memory in address space, once).", _ia_format_bytes(r.size, range, sizeof range));
+    else
+      growth_refusal(st, device, why, sizeof why);
     snprintf(message, sizeof message,
              "CUDA out of memory on device %d: request of %s (%zu bytes) for the general %s pool "
              "(it %s; the workspace arena holds a further %s, CUDA graph pools %s).%s Free tensors or "
@@ -494,7 +550,7 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
   ia_arena_default_options(&o);
   o.growable = true;
   ia_backend_t *backend;
-  ia_status_t st = make_backend(device, slot->unified, &backend);
+  ia_status_t st = make_backend(device, slot->unified, false, &backend); /* graph pools keep regions */
   if (st != IA_OK) return st;
   if (kind == GRAPH_WORKSPACE) {
     /* Regions of exactly what is asked, so that the graph holds no more of the budget than it uses. */
@@ -532,6 +588,19 @@ void ia_torch_memory_fraction(double fraction, int device) {
   atomic_store(&slot->totals.limit, (uint64_t)(fraction * (double)total));
 }
 
+ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access) {
+  if (dev < 0 || dev >= MAX_DEVICES || dev_to_access < 0 || dev_to_access >= MAX_DEVICES) return IA_ERR_INVALID_ARGUMENT;
+  device_slot_t *slot = &plugin.devices[dev_to_access];
+  pthread_mutex_lock(&plugin.lock); /* a device made now sees the bit, or is ready once it is set */
+  slot->peers |= 1ull << dev;
+  bool ready = atomic_load(&slot->ready) == 1;
+  pthread_mutex_unlock(&plugin.lock);
+  ia_status_t st = IA_OK;
+  for (int p = IA_POOL_SMALL; ready && st == IA_OK && p < IA_POOL_COUNT; p++)
+    if (slot->arenas[p]) st = _ia_arena_grant_access(slot->arenas[p], dev);
+  return st;
+}
+
 void ia_torch_empty_cache(void) {
   for (int d = 0; d < MAX_DEVICES; d++)
     for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++)
@@ -556,6 +625,7 @@ static const ia_torch_entry_points_t entry_points = {
     .ooms = ia_plugin_ooms,
     .retries = ia_plugin_retries,
     .status_str = ia_status_str,
+    .enable_peer_access = ia_torch_enable_peer_access,
 };
 
 const ia_torch_entry_points_t *ia_torch_entry_points(void) { return &entry_points; }
@@ -670,8 +740,8 @@ bool ia_plugin_write_report(const char *path) {
   for (int d = 0; d < MAX_DEVICES; d++) {
     device_slot_t *slot = &plugin.devices[d];
     if (atomic_load(&slot->ready) != 1) continue;
-    fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"pools\": [", first_device ? "" : ", ", d,
-            slot->unified ? "true" : "false");
+    fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"expandable\": %s, \"pools\": [", first_device ? "" : ", ",
+            d, slot->unified ? "true" : "false", slot->expandable ? "true" : "false");
     first_device = false;
     const char *sep = "";
     for (int p = 0; p < IA_POOL_COUNT; p++)

@@ -73,6 +73,16 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     set_record_stream_fn([](void* ptr, cudaStream_t stream) { core->record_stream(ptr, stream); });
   }
 
+  // A mapped pool's pages are reachable from another device only once it is granted them; the
+  // base class's cudaDeviceEnablePeerAccess covers cudaMalloc memory (regions) alone.
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    CUDAPluggableAllocator::enablePeerAccess(dev, dev_to_access);
+    ia_status_t st = core->enable_peer_access(dev, dev_to_access);
+    TORCH_CHECK(st == IA_OK, "indexer-arena: giving cuda:", static_cast<int>(dev), " access to the mapped pools of cuda:",
+                static_cast<int>(dev_to_access), " failed: ", core->status_str(st),
+                " (expandable:off in INDEXER_ARENA_CONF serves the pools from regions instead)");
+  }
+
   void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
     if (size == 0) return nullptr;
     if (routing_.load(std::memory_order_acquire) > 0) {

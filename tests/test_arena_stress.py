@@ -36,9 +36,9 @@ def build_harness(tmp_path, extra_flags=(), harness="stress"):
 CACHE = pytest.mark.parametrize("cache_kib", [None, 256], ids=["no-cache", "thread-cache"])
 
 
-def run_harness(exe, threads, ops, capacity_mib, cache_kib=None):
-    cache = [] if cache_kib is None else [str(cache_kib)]
-    done = subprocess.run([str(exe), str(threads), str(ops), str(capacity_mib), *cache], capture_output=True,
+def run_harness(exe, threads, ops, capacity_mib, cache_kib=None, mapped=False):
+    mode = ([] if cache_kib is None else [str(cache_kib)]) + (["mapped"] if mapped else [])
+    done = subprocess.run([str(exe), str(threads), str(ops), str(capacity_mib), *mode], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr + done.stdout
     fields = done.stdout.split()
@@ -113,6 +113,24 @@ def test_c_threads_that_end_while_their_caches_hold_blocks(tmp_path, build, mode
         assert all(int(fields[fields.index(word) - 1]) > 0 for word in ("returned", "exited", "cancelled"))
 
 
+@pytest.mark.parametrize("flags, ops, capacity_mib", [((), 200_000, 64), ((), 50_000, 1),
+                                                     (("-DIA_DEBUG=1",), 2_000, 4),
+                                                     (("-fsanitize=thread", "-g"), 20_000, 16)],
+                         ids=["plain", "tight", "invariant-walk", "thread-sanitizer"])
+@CACHE
+def test_c_threads_over_a_mapping_arena_while_one_gives_pages_back(tmp_path, flags, ops, capacity_mib,
+                                                                   cache_kib):
+    """stress.c's mapped mode: 64 KiB pages of one range, canaries in every block, the first thread
+    releasing cached pages while the others allocate (with caches: taking back what the other
+    threads' caches keep, and the threads' exits giving theirs back); everything unmapped at the end."""
+    exe, built = build_harness(tmp_path, flags)
+    if built.returncode != 0 and "-fsanitize=thread" in flags:
+        pytest.skip(f"this toolchain cannot build with -fsanitize=thread: {built.stderr[-300:]}")
+    assert built.returncode == 0, built.stderr
+    done_ops, served = run_harness(exe, 4, ops, capacity_mib, cache_kib=cache_kib, mapped=True)
+    assert done_ops == 4 * ops and served > ops
+
+
 @pytest.mark.parametrize("flags", [(), ("-DIA_DEBUG=1",), ("-fsanitize=thread", "-g")],
                          ids=["plain", "invariant-walk", "thread-sanitizer"])
 def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
@@ -129,9 +147,9 @@ def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
 
 
 def test_random_operation_sequences_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """tests/stress/fuzz.c: random sequences on a fixed and a growable arena, each with and without
-    thread caches, and on the plugin's pools (host memory), invariant walks along the way; seeds
-    fixed, so a failure replays.
+    """tests/stress/fuzz.c: random sequences on a fixed, a growable and a mapping arena, each with
+    and without thread caches, and on the plugin's pools (host memory; general pools mapped for even
+    seeds), invariant walks along the way; seeds fixed, so a failure replays.
     Seed 4 found a carve-out giving memory back during a capture, which recorded an event on the
     capturing stream."""
     exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",

@@ -9,6 +9,8 @@ def test_defaults_and_values():
     c = from_env({ENV_VAR: " budget_mb:64 , alignment:1024,unified:on,host_headroom_mb:0,trace:100"})
     assert (c.budget_mb, c.alignment, c.unified, c.host_headroom_mb, c.trace) == (64, 1024, "on", 0, 100)
     assert c.budget_bytes == 64 << 20
+    assert Config().expandable == "auto"
+    assert [from_env({ENV_VAR: f"expandable:{v}"}).expandable for v in ("on", "off", "auto")] == ["on", "off", "auto"]
 
 
 def test_vllm_budget_variable():
@@ -29,6 +31,7 @@ def test_vllm_budget_variable():
     ("alignment:8", "alignment", "8", "power of two"),
     ("alignment:96", "alignment", "96", "power of two"),
     ("unified:maybe", "unified", "maybe", "one of auto, on, off"),
+    ("expandable:true", "expandable", "true", "one of auto, on, off"),
     ("host_headroom_mb:-1", "host_headroom_mb", "-1", "not be negative"),
     ("trace:x", "trace", "x", "not an integer"),
     ("meminfo:", "meminfo", "", "not be empty"),
@@ -54,7 +57,7 @@ def test_replace_checks_like_the_environment():
 
 
 def test_to_env_round_trips():
-    c = Config(budget_mb=64, unified="on", oom_report="/tmp/r.json")
+    c = Config(budget_mb=64, unified="on", oom_report="/tmp/r.json", expandable="off")
     assert from_env({ENV_VAR: c.to_env()}) == c
 
 
@@ -108,7 +111,7 @@ def test_a_config_made_in_python_is_checked_as_the_environment_is(key, value):
 
 @given(st.one_of(st.booleans(), st.floats(allow_nan=True), st.none(), st.lists(st.integers(), max_size=1)))
 def test_a_config_refuses_values_of_the_wrong_type(value):
-    for key in ("budget_mb", "alignment", "trace", "unified"):
+    for key in ("budget_mb", "alignment", "trace", "unified", "expandable"):
         with pytest.raises(ConfigError) as e:
             Config(**{key: value})
         assert e.value.key == key

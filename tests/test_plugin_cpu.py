@@ -112,7 +112,8 @@ def test_workspace_scope_nests_and_is_per_thread():
 def test_stats_of_a_device_without_arenas_are_zero():
     s = alloc.memory_stats(0)
     assert s["allocated_bytes.all.current"] == 0 and s["reserved_bytes.all.peak"] == 0
-    assert s["num_ooms"] == 0 and s["arena.workspace.capacity"] == 0
+    assert s["num_ooms"] == 0 and s["arena.workspace.capacity"] == 0 and s["arena.expandable"] == 0
+    assert not alloc.device_is_expandable(0)
     assert alloc.device_arena(0, "workspace") is None and alloc.memory_reserved(0) == 0
 
 

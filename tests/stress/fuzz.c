@@ -1,11 +1,14 @@
 /* Random operation sequences against the core, for a build with -fsanitize=address,undefined:
- * a fixed and a growable arena on the host backend, each with and without thread caches
- * (allocations of any size on a few streams,
- * frees of live, freed, interior and foreign pointers, record_stream, release_cached, allocation
- * at an address, stream completion), and the plugin's graph pools on host memory (begin, a
- * simulated capture, allocations in the pool and eagerly, frees held back and run, release,
- * checkpoint and restore). The invariant walk runs every 64 operations; any broken invariant,
- * sanitizer report or wrong status ends the run.
+ * a fixed and a growable arena on the host backend and a growable arena over its page mapping,
+ * each with and without thread caches (allocations of any size on a few streams, frees of live,
+ * freed, interior and foreign pointers, record_stream, release_cached, allocation at an address,
+ * stream completion), and the plugin's graph pools on host memory (begin, a simulated capture,
+ * allocations in the pool and eagerly, frees held back and run, release, checkpoint and restore),
+ * its general pools mapped for even seeds. The mapping arenas write a canary byte at both ends of
+ * every block, so a block on an unmapped page faults, and check it at the free; their backends
+ * must have refused no call and hold exactly the arena's capacity, and with nothing live a release
+ * must unmap every page, blocks kept by a thread cache included. The invariant walk runs every 64
+ * operations; any broken invariant, sanitizer report or wrong status ends the run.
  *
  * usage: fuzz SEED OPERATIONS   (prints "ok" or fails) */
 #include <setjmp.h>
@@ -54,7 +57,9 @@ typedef struct {
   ia_arena_t *arena;
   ia_backend_t *host;
   void *live[LIVE];
+  size_t size[LIVE];
   int n;
+  bool mapped; /* over the host backend's page mapping: canaries, and the mapping checked */
 } subject_t;
 
 static void check(ia_arena_t *a, long op) {
@@ -62,13 +67,40 @@ static void check(ia_arena_t *a, long op) {
   if (!ia_arena_check(a, msg, sizeof msg)) fail(msg, op);
 }
 
+static unsigned char canary(const void *p) { return (unsigned char)((uintptr_t)p >> 9 ^ 0x5A); }
+
+static void keep(subject_t *s, void *p, size_t size) {
+  if (s->mapped) ((unsigned char *)p)[0] = ((unsigned char *)p)[size - 1] = canary(p);
+  s->live[s->n] = p;
+  s->size[s->n++] = size;
+}
+
+static void check_mapping(subject_t *s, long op) {
+  ia_mapping_counters_t c;
+  ia_stats_t st;
+  ia_host_mapping_counters(s->host, &c);
+  ia_arena_stats(s->arena, &st);
+  if (c.errors) fail("the arena made a mapping call the driver refuses", op);
+  if (c.mapped != st.capacity) fail("the backend maps other than the arena's capacity", op);
+  for (int i = 0; i < s->n; i++)
+    if (!ia_host_range_mapped(s->host, (uintptr_t)s->live[i], s->size[i])) fail("a live block is not mapped", op);
+}
+
+static void forget(subject_t *s, int i, long op) {
+  const unsigned char *p = s->live[i];
+  if (s->mapped && (p[0] != canary(p) || p[s->size[i] - 1] != canary(p))) fail("a canary changed", op);
+  s->live[i] = s->live[--s->n];
+  s->size[i] = s->size[s->n];
+}
+
 static void arena_step(subject_t *s, long op) {
   ia_stream_t stream = below(4);
   void *p;
   switch (below(9)) {
     case 0: case 1: case 2: {
-      ia_status_t st = ia_arena_alloc(s->arena, any_size(), stream, &p);
-      if (st == IA_OK && p && s->n < LIVE) s->live[s->n++] = p;
+      size_t size = any_size();
+      ia_status_t st = ia_arena_alloc(s->arena, size, stream, &p);
+      if (st == IA_OK && p && s->n < LIVE) keep(s, p, size);
       else if (st == IA_OK && p && ia_arena_free(s->arena, p, stream) != IA_OK) fail("free of a new block", op);
       else if (st != IA_OK && st != IA_ERR_OUT_OF_MEMORY && st != IA_ERR_BACKEND_OUT_OF_MEMORY && st != IA_ERR_LIMIT)
         fail(ia_status_str(st), op);
@@ -77,11 +109,11 @@ static void arena_step(subject_t *s, long op) {
     case 3: case 4:
       if (s->n) {
         int i = (int)below((size_t)s->n);
-        if (ia_arena_free(s->arena, s->live[i], below(5) ? stream : STREAM_NONE) != IA_OK)
-          fail("free of a live block", op);
-        if (!below(8) && ia_arena_free(s->arena, s->live[i], stream) != IA_ERR_DOUBLE_FREE)
+        void *q = s->live[i];
+        forget(s, i, op);
+        if (ia_arena_free(s->arena, q, below(5) ? stream : STREAM_NONE) != IA_OK) fail("free of a live block", op);
+        if (!below(8) && ia_arena_free(s->arena, q, stream) != IA_ERR_DOUBLE_FREE)
           fail("a second free was not refused", op);
-        s->live[i] = s->live[--s->n];
       }
       break;
     case 5: { /* bad frees: inside a live block (every block spans the alignment at least), foreign */
@@ -104,18 +136,30 @@ static void arena_step(subject_t *s, long op) {
       if (!n) break;
       ia_region_info_t pick = r[below(n < 8 ? n : 8)];
       uintptr_t at = (pick.base + below(pick.size + 4096)) & ~(uintptr_t)(ia_arena_alignment(s->arena) - 1);
-      ia_status_t st = ia_arena_alloc_at(s->arena, (void *)at, any_size() % (1 << 22) + 1, stream);
-      if (st == IA_OK && s->n < LIVE) s->live[s->n++] = (void *)at;
+      size_t size = any_size() % (1 << 22) + 1;
+      ia_status_t st = ia_arena_alloc_at(s->arena, (void *)at, size, stream);
+      if (st == IA_OK && s->n < LIVE) keep(s, (void *)at, size);
       else if (st == IA_OK) ia_arena_free(s->arena, (void *)at, stream);
     }
   }
   if (op % 64 == 0) check(s->arena, op);
+  if (op % 64 == 0 && s->mapped) check_mapping(s, op);
 }
 
 static void drain(subject_t *s, long op) {
-  while (s->n)
-    if (ia_arena_free(s->arena, s->live[--s->n], STREAM_NONE) != IA_OK) fail("drain", op);
+  while (s->n) {
+    void *p = s->live[s->n - 1];
+    forget(s, s->n - 1, op);
+    if (ia_arena_free(s->arena, p, STREAM_NONE) != IA_OK) fail("drain", op);
+  }
   check(s->arena, op);
+  if (s->mapped) {
+    ia_arena_release_cached(s->arena); /* nothing live: everything goes */
+    ia_stats_t st;
+    ia_arena_stats(s->arena, &st);
+    if (st.capacity || st.regions) fail("pages stayed mapped with nothing live", op);
+    check_mapping(s, op);
+  }
 }
 
 /* ---- the plugin's graph pools on host memory ---------------------------------------------------- */
@@ -215,26 +259,34 @@ int main(int argc, char **argv) {
   rng_state = strtoull(argv[1], NULL, 10);
   long ops = atol(argv[2]);
   refused_creations();
-  subject_t subjects[4] = {{0}}; /* fixed, growable; the same two with thread caches */
-  for (int i = 0; i < 4; i++) {
+  /* fixed, growable, mapping; the same three with thread caches */
+  subject_t subjects[6] = {{0}};
+  for (int i = 0; i < 6; i++) {
+    int kind = i % 3;
     ia_arena_options_t o;
     ia_arena_default_options(&o);
-    o.alignment = (size_t)256 << (i & 1);
-    if (!(i & 1)) o.capacity = 16 << 20;
+    o.alignment = (size_t)256 << (kind == 1);
+    if (kind == 0) o.capacity = 16 << 20;
     else o.growable = true, o.region_min = 2 << 20, o.region_exact_above = 4 << 20, o.limit = 64 << 20;
-    if (i >= 2) o.thread_cache = (size_t)(i & 1 ? 8 : 2) << 20;
-    if (ia_host_backend_create(128 << 20, &subjects[i].host) != IA_OK) return 1;
-    ia_host_set_auto_complete(subjects[i].host, !(i & 1));
+    /* The mapping arena: 64 KiB pages, a range wider than its limit, a backend that fits less. */
+    if (kind == 2) o.address_range = 256 << 20, o.limit = 96 << 20, subjects[i].mapped = true;
+    if (i >= 3) o.thread_cache = (size_t)(kind ? 8 : 2) << 20;
+    ia_status_t st = kind == 2 ? ia_host_mapping_backend_create(48 << 20, 64 << 10, &subjects[i].host)
+                               : ia_host_backend_create(128 << 20, &subjects[i].host);
+    if (st != IA_OK) return 1;
+    ia_host_set_auto_complete(subjects[i].host, kind == 0);
     if (ia_arena_create(&o, subjects[i].host, &subjects[i].arena) != IA_OK) return 1;
   }
-  ia_plugin_config_t c = {.budget = 32 << 20, .alignment = 256, .host_memory = 1, .raise_oom = raise_oom};
+  ia_plugin_config_t c = {.budget = 32 << 20, .alignment = 256, .host_memory = 1, .raise_oom = raise_oom,
+                          .expandable = rng_state % 2 == 0, .address_range = (size_t)1 << 30,
+                          .host_page_size = 64 << 10};
   if (ia_plugin_configure(&c) != IA_OK) return 1;
   for (long op = 0; op < ops; op++) {
-    int which = (int)below(6);
-    if (which < 4) arena_step(&subjects[which], op);
+    int which = (int)below(9);
+    if (which < 6) arena_step(&subjects[which], op);
     else plugin_step(op);
   }
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < 6; i++) {
     drain(&subjects[i], ops);
     ia_arena_destroy(subjects[i].arena);
   }

@@ -7,7 +7,12 @@
  * (thread_cache): a thread's frees and reuses skip the arena's lock, frees of blocks other threads
  * allocated do not, and the threads' exits must give every cached block back.
  *
- * usage: stress THREADS OPS_PER_THREAD CAPACITY_MIB [THREAD_CACHE_KIB]
+ * With "mapped", the arena maps 64 KiB pages of one address range (the host backend's simulation,
+ * holding at most CAPACITY_MIB) and the first thread also gives cached pages back every 1,024
+ * operations while the others allocate (with caches: taking back the blocks the other threads'
+ * caches keep); at the end everything must unmap, with no call the driver would refuse.
+ *
+ * usage: stress THREADS OPS_PER_THREAD CAPACITY_MIB [THREAD_CACHE_KIB] [mapped]
  *        (prints "ok <ops> <ms>" or fails) */
 #include <pthread.h>
 #include <stdio.h>
@@ -23,6 +28,7 @@
 static ia_arena_t *arena;
 static size_t capacity;
 static long ops_per_thread;
+static bool mapped;
 
 static struct {
   pthread_mutex_t lock;
@@ -117,7 +123,7 @@ static void *worker(void *arg) {
         fill(p, size);
         held[slot] = p;
         held_size[slot] = size;
-      } else if (st == IA_ERR_OUT_OF_MEMORY) {
+      } else if (st == IA_ERR_OUT_OF_MEMORY || (mapped && st == IA_ERR_BACKEND_OUT_OF_MEMORY)) {
         oom_count++;
       } else {
         fprintf(stderr, "alloc failed: %s\n", ia_status_str(st));
@@ -125,6 +131,7 @@ static void *worker(void *arg) {
       }
     }
     total_ops++;
+    if (mapped && arg == NULL && n % 1024 == 1023) ia_arena_release_cached(arena);
   }
   for (unsigned i = 0; i < HELD; i++)
     if (held[i]) verify_and_free(held[i], held_size[i], stream);
@@ -132,8 +139,13 @@ static void *worker(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  if (argc != 4 && argc != 5) {
-    fprintf(stderr, "usage: %s THREADS OPS_PER_THREAD CAPACITY_MIB [THREAD_CACHE_KIB]\n", argv[0]);
+  int extra = argc - 4; /* [THREAD_CACHE_KIB] [mapped] */
+  mapped = extra >= 1 && strcmp(argv[argc - 1], "mapped") == 0;
+  extra -= mapped;
+  char *end = NULL;
+  size_t cache_kib = extra == 1 ? strtoul(argv[4], &end, 10) : 0;
+  if (extra < 0 || extra > 1 || (end && (*end || end == argv[4]))) {
+    fprintf(stderr, "usage: %s THREADS OPS_PER_THREAD CAPACITY_MIB [THREAD_CACHE_KIB] [mapped]\n", argv[0]);
     return 2;
   }
   int threads = atoi(argv[1]);
@@ -144,8 +156,11 @@ int main(int argc, char **argv) {
   ia_arena_default_options(&opts);
   opts.capacity = capacity;
   opts.alignment = 64;
-  if (argc == 5) opts.thread_cache = (size_t)atol(argv[4]) << 10;
-  if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) {
+  opts.thread_cache = cache_kib << 10;
+  if (mapped) opts.capacity = 0, opts.growable = true, opts.address_range = 4 * capacity;
+  ia_status_t st = mapped ? ia_host_mapping_backend_create(capacity, 64 << 10, &backend)
+                          : ia_host_backend_create(0, &backend);
+  if (st != IA_OK || ia_arena_create(&opts, backend, &arena) != IA_OK) {
     fprintf(stderr, "cannot create the arena\n");
     return 3;
   }
@@ -171,7 +186,17 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%lu canary failures\n", (unsigned long)canary_failures);
     return 1;
   }
-  if (s.free_blocks != 1 || s.largest_free != capacity || s.in_use != 0) {
+  if (mapped) { /* nothing live: every page goes, and the backend saw nothing it would refuse */
+    ia_mapping_counters_t c;
+    ia_arena_release_cached(arena);
+    ia_arena_stats(arena, &s);
+    ia_host_mapping_counters(backend, &c);
+    if (s.capacity || s.regions || c.mapped || c.errors || s.in_use) {
+      fprintf(stderr, "mapping not back to nothing: capacity %lu, %lu stretches, %lu mapped, %lu errors\n",
+              (unsigned long)s.capacity, (unsigned long)s.regions, (unsigned long)c.mapped, (unsigned long)c.errors);
+      return 1;
+    }
+  } else if (s.free_blocks != 1 || s.largest_free != capacity || s.in_use != 0) {
     fprintf(stderr, "arena not back to one free block: %lu free blocks, %lu in use\n",
             (unsigned long)s.free_blocks, (unsigned long)s.in_use);
     return 1;

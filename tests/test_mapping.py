@@ -1,0 +1,773 @@
+"""Mapping arenas on the CPU: one address range reserved once, pages mapped as blocks need them and
+unmapped by release_cached. The host backend simulates a device's page mapping (the range is
+reserved inaccessible, a mapped page is read-write and zero-filled, an unmapped one is discarded)
+and counts every map and unmap, and every call the CUDA driver would refuse, so these tests see
+exactly what the arena asks of a mapping backend. The plugin's mapped general pools are tested at
+the end, each in a fresh interpreter as in test_graph_pools.py."""
+
+import ctypes
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from alloc import Arena, ArenaOutOfMemory, HostGuard
+from alloc._core import ffi, lib
+from conftest import run_python
+
+MiB = 1 << 20
+PAGE = 64 << 10
+
+
+def mapped(page=PAGE, address_range=256 * MiB, **kw):
+    kw.setdefault("alignment", 512)
+    return Arena(0, growable=True, address_range=address_range, page_size=page, **kw)
+
+
+def consistent(a):
+    """What every state must show: the invariant walk holds, the arena's capacity is what the
+    backend has mapped, every live block's pages are mapped, and no call broke the driver's rules."""
+    a.check()
+    s, c = a.stats(), a.mapping_counters()
+    assert s["capacity"] == c["mapped"] == sum(r.size for r in a.regions())
+    assert c["errors"] == 0 and c["ranges"] == 1 and c["range_reserves"] == 1
+    rng = a.address_range()
+    for b in a.blocks():
+        assert rng.base <= b.address and b.address + b.size <= rng.base + rng.size
+        if b.state == "used":
+            assert a.range_mapped(b.address, b.size)
+    for r in a.regions():
+        assert r.base % a.page_size == 0 and r.size % a.page_size == 0
+    return s, c
+
+
+def pages_touched(a):
+    """Pages that some live block touches: what must stay mapped."""
+    pages = set()
+    for b in a.blocks():
+        if b.state == "used":
+            pages.update(range(b.address // a.page_size, (b.address + b.size - 1) // a.page_size + 1))
+    return pages
+
+
+def fill(address, size, seed):
+    ctypes.memmove(address, bytes([(address >> 9 ^ seed) & 0xFF]) * size, size)
+
+
+def intact(address, size, seed):
+    return ctypes.string_at(address, size) == bytes([(address >> 9 ^ seed) & 0xFF]) * size
+
+
+def test_pages_are_mapped_as_blocks_need_them_and_growth_continues_the_free_tail():
+    with mapped() as a:
+        rng = a.address_range()
+        assert a.page_size == PAGE and rng.size == 256 * MiB and a.regions() == []
+        s, c = consistent(a)
+        assert s["capacity"] == 0 and c["maps"] == 0
+        first = a.allocate(1)
+        assert first == rng.base
+        s, c = consistent(a)
+        assert s["capacity"] == PAGE and c["maps"] == 1 and s["regions"] == 1
+        rest = [a.allocate(512) for _ in range(PAGE // 512 - 1)]  # the rest of the first page
+        assert consistent(a)[1]["maps"] == 1
+        a.allocate(512)                                             # one byte past it: one more page
+        s, c = consistent(a)
+        assert c["maps"] == 2 and s["capacity"] == 2 * PAGE and s["regions"] == 1
+        # 3.5 pages after a tail of one page less 512 bytes: three pages more, right after it.
+        big = a.allocate(3 * PAGE + PAGE // 2)
+        s, c = consistent(a)
+        assert big == rng.base + PAGE + 512 and s["capacity"] == 5 * PAGE and c["pages_mapped"] == 5
+        assert s["regions"] == 1 and s["backend_reserves"] == c["maps"] == 3
+        for p in [first, *rest]:
+            a.free(p)
+        consistent(a)
+
+
+def test_free_space_is_one_block_where_regions_would_have_cut_it():
+    sizes = [PAGE + PAGE // 2] * 3
+    with mapped() as a, Arena(0, growable=True, alignment=512, region_min=2 * PAGE, region_round=PAGE) as regions:
+        for arena in (a, regions):
+            live = [arena.allocate(n) for n in sizes]
+            for p in live:
+                arena.free(p)
+        s, r = a.stats(), regions.stats()
+        assert s["capacity"] == 5 * PAGE and s["regions"] == 1        # 4.5 pages, contiguous
+        assert s["free_blocks"] == 1 and s["largest_free"] == 5 * PAGE
+        assert r["capacity"] == 6 * PAGE and r["regions"] == 3        # one region per request
+        assert r["largest_free"] == 2 * PAGE
+
+
+def test_release_unmaps_the_whole_pages_of_free_blocks_and_keeps_what_live_blocks_touch():
+    with mapped() as a:
+        rng = a.address_range()
+        head = a.allocate(1000)                # page 0
+        middle = a.allocate(5 * PAGE)          # pages 0-5
+        tail = a.allocate(1000)                # page 5
+        fill(head, 1000, 1)
+        fill(tail, 1000, 2)
+        assert a.stats()["capacity"] == 6 * PAGE
+        a.free(middle)
+        released = a.release_cached()
+        s, c = consistent(a)
+        assert released == 4 * PAGE and s["capacity"] == 2 * PAGE       # pages 1-4 went
+        assert c["unmaps"] == 1 and c["pages_unmapped"] == 4 and s["backend_releases"] == 1
+        assert a.regions() == [type(a.regions()[0])(rng.base, PAGE), type(a.regions()[0])(rng.base + 5 * PAGE, PAGE)]
+        assert not a.range_mapped(rng.base + PAGE, 4 * PAGE)
+        assert intact(head, 1000, 1) and intact(tail, 1000, 2)
+        assert a.release_cached() == 0      # what is left free shares pages with live blocks
+        # The hole fills again: one map of four pages joins the two stretches, free space merges.
+        again = a.allocate(5 * PAGE - 2048)
+        s, c = consistent(a)
+        assert again == middle and s["regions"] == 1 and c["maps"] == 3 and s["capacity"] == 6 * PAGE
+        for p in (head, again, tail):
+            a.free(p)
+        assert a.release_cached() == 6 * PAGE
+        s, c = consistent(a)
+        assert s["capacity"] == 0 and s["regions"] == 0 and c["mapped"] == 0 and a.blocks() == []
+
+
+def test_unmapped_pages_come_back_zero_filled():
+    with mapped() as a:
+        p = a.allocate(3 * PAGE)
+        fill(p, 3 * PAGE, 7)
+        a.free(p)
+        assert a.release_cached() == 3 * PAGE
+        q = a.allocate(3 * PAGE)
+        assert q == p and ctypes.string_at(q, 3 * PAGE) == bytes(3 * PAGE)
+        assert a.mapping_counters()["pages_mapped"] == 6
+
+
+def test_the_range_is_reserved_once_and_live_blocks_never_move():
+    with mapped() as a:
+        rng = a.address_range()
+        keep = {}
+        for cycle in range(20):
+            fresh = [a.allocate((cycle * 7919 + i * 104729) % (3 * PAGE) + 1) for i in range(12)]
+            for i, p in enumerate(fresh[::3]):
+                keep[p] = ((cycle * 7919 + 3 * i * 104729) % (3 * PAGE) + 1, cycle)
+                fill(p, keep[p][0], cycle)
+            for p in fresh:
+                if p not in keep:
+                    a.free(p)
+            if cycle % 3 == 0:
+                a.release_cached()
+            for p, (size, seed) in keep.items():
+                assert rng.base <= p < rng.base + rng.size and intact(p, size, seed)
+            if cycle % 5 == 4:
+                for p in list(keep)[::2]:
+                    a.free(p)
+                    del keep[p]
+            s, c = consistent(a)
+            assert a.address_range() == rng
+        assert a.release_cached() >= 0
+        assert len(pages_touched(a)) * PAGE == a.stats()["capacity"]
+
+
+def test_release_waits_for_the_stream_work_of_a_free_block_before_unmapping_it():
+    with mapped() as a:
+        a.set_auto_complete(False)
+        p = a.allocate(4 * PAGE, stream=1)
+        a.free(p, stream=1)                      # stream 1's work may still use it
+        assert a.release_cached() == 4 * PAGE    # the host waited for it first
+        s, c = consistent(a)
+        assert c["waits"] == 1 and s["event_records"] == 1
+        a.set_auto_complete(True)                # now work completes as soon as it is recorded:
+        q = a.allocate(4 * PAGE, stream=2)
+        a.free(q, stream=2)
+        assert a.release_cached() == 4 * PAGE    # the event is recorded, done, and nobody waits
+        assert a.mapping_counters()["waits"] == 1
+
+
+def test_a_free_block_of_a_capturing_stream_stays_mapped():
+    with mapped() as a:
+        p = a.allocate(4 * PAGE, stream=5)
+        a.free(p, stream=5)
+        violations = lib.ia_host_capture_violations()
+        assert lib.ia_host_capture_begin(5, 99)
+        try:
+            assert a.release_cached() == 0       # no event may be recorded on it, so nothing is known
+            assert a.stats()["capacity"] == 4 * PAGE
+        finally:
+            lib.ia_host_capture_end(5)
+        assert lib.ia_host_capture_violations() == violations
+        assert a.release_cached() == 4 * PAGE
+        consistent(a)
+
+
+def test_growth_refused_by_the_backend_releases_cached_pages_and_asks_again():
+    with mapped(host_limit=8 * PAGE) as a:
+        cached = a.allocate(5 * PAGE)
+        live = a.allocate(PAGE)
+        a.free(cached)
+        big = a.allocate(7 * PAGE)           # 6 + 7 pages > 8: refused, the 5 cached go, asked again
+        s, c = consistent(a)
+        assert s["retries"] == 1 and c["refusals"] == 1 and s["backend_failures"] == 1
+        assert s["capacity"] == 8 * PAGE and big == live + PAGE
+        with pytest.raises(ArenaOutOfMemory, match="backend could not reserve"):
+            a.allocate(PAGE)
+        consistent(a)
+
+
+def test_the_limit_counts_mapped_bytes_and_cached_pages_are_reused_first():
+    with mapped(limit=4 * PAGE) as a:
+        p = a.allocate(3 * PAGE)
+        with pytest.raises(ArenaOutOfMemory, match="limit"):
+            a.allocate(2 * PAGE)
+        a.free(p)
+        q = a.allocate(4 * PAGE)             # the three cached pages and one more
+        s, c = consistent(a)
+        assert q == p and s["capacity"] == 4 * PAGE and c["maps"] == 2 and s["retries"] == 0
+
+
+def test_growth_maps_the_fewest_pages_wherever_they_go():
+    with mapped() as a:
+        rng = a.address_range()
+        a.allocate(PAGE)
+        hole = a.allocate(6 * PAGE)
+        b = a.allocate(PAGE)
+        a.allocate(PAGE - 4096)              # the stretch ends with 4 KiB free
+        a.free(hole)
+        a.free(b)                             # free pages 1-7 merge
+        assert a.release_cached() == 7 * PAGE
+        # A gap of 7 pages after page 0 (full, no free tail), and the free 4 KiB ending page 8.
+        # 1.5 pages: after the 4 KiB tail it needs 2 pages, in the hole 2 as well: the lower wins.
+        x = a.allocate(PAGE + PAGE // 2)
+        assert x == rng.base + PAGE and a.mapping_counters()["pages_mapped"] == 11
+        consistent(a)
+
+
+def test_the_guard_sees_every_page_mapped():
+    budget = 48 * PAGE
+    arena = {}
+
+    def available():  # host memory falls as pages are committed, as on a unified machine
+        return budget - arena["a"].mapping_counters()["mapped"]
+
+    with mapped(guard=HostGuard(headroom=4 * PAGE, available=available)) as a:
+        arena["a"] = a
+        live, refused = [], None
+        for i in range(200):
+            size = (i * 40503) % (5 * PAGE) + 1
+            try:
+                live.append(a.allocate(size))
+            except ArenaOutOfMemory as e:
+                refused = str(e)
+                break
+            if i % 4 == 3:
+                a.free(live.pop(0))
+            if i % 9 == 8:
+                a.release_cached()
+            g, h = a.guard_counters(), a.mapping_counters()
+            assert (g["maps"], g["unmaps"], g["mapped"], g["pages_mapped"]) == \
+                   (h["maps"], h["unmaps"], h["mapped"], h["pages_mapped"])
+        assert refused and "unified memory: mapping" in refused and "headroom" in refused
+        s, c = consistent(a)
+        assert c["mapped"] <= budget - 4 * PAGE and a.guard_counters()["refusals"] >= 1
+
+
+def test_a_guard_refusal_gives_cached_pages_back_and_asks_again():
+    arena = {}
+    with mapped(guard=HostGuard(available=lambda: 10 * PAGE - arena["a"].mapping_counters()["mapped"])) as a:
+        arena["a"] = a
+        cached = a.allocate(6 * PAGE)
+        a.allocate(PAGE)
+        a.free(cached)
+        a.allocate(8 * PAGE)                   # 7 + 8 pages > 10: refused; the 6 cached go first
+        s, c = consistent(a)
+        assert s["retries"] == 1 and a.guard_counters()["refusals"] == 1 and c["mapped"] == 9 * PAGE
+
+
+def test_bad_mapping_arguments_are_refused():
+    with pytest.raises(ValueError, match="growable"):
+        Arena(0, address_range=MiB)
+    with pytest.raises(ValueError, match="page_size"):
+        Arena(0, growable=True, page_size=PAGE)
+    with pytest.raises(ValueError, match="power of two"):
+        Arena(0, growable=True, address_range=MiB, page_size=3 * 4096)
+    out = ffi.new("ia_backend_t **")
+    assert lib.ia_host_mapping_backend_create(0, 3 * 4096, out) == lib.IA_ERR_INVALID_ARGUMENT
+    opts = ffi.new("ia_arena_options_t *")
+    lib.ia_arena_default_options(opts)
+    opts.growable, opts.address_range = True, MiB
+    arena = ffi.new("ia_arena_t **")
+    assert lib.ia_host_backend_create(0, out) == lib.IA_OK       # no mapping
+    assert lib.ia_arena_create(opts, out[0], arena) == lib.IA_ERR_INVALID_ARGUMENT
+    assert lib.ia_host_mapping_backend_create(0, 4096, out) == lib.IA_OK
+    opts.alignment = 8192                                          # above the page
+    assert lib.ia_arena_create(opts, out[0], arena) == lib.IA_ERR_INVALID_ARGUMENT
+    with mapped(address_range=8 * PAGE) as a:
+        with pytest.raises(ArenaOutOfMemory):
+            a.allocate(9 * PAGE)                                   # wider than the range
+        assert a.allocate(8 * PAGE) == a.address_range().base
+        assert a.stats()["capacity"] == 8 * PAGE
+
+
+def test_a_first_capacity_is_mapped_at_creation():
+    with Arena(3 * PAGE + 1, growable=True, address_range=MiB, page_size=PAGE, alignment=512) as a:
+        s, c = consistent(a)
+        assert s["capacity"] == 4 * PAGE and c["maps"] == 1 and a.regions()[0].base == a.address_range().base
+
+
+# -- every sequence of operations -------------------------------------------------------------------
+# Operations weighted by kind (allocations and frees most), sizes from a few bytes to five pages.
+OPS = st.lists(st.tuples(
+    st.sampled_from(["alloc"] * 5 + ["free"] * 3 + ["record", "release", "complete"]),
+    st.one_of(st.integers(1, 2048), st.integers(1, 5 * (16 << 10))),
+    st.integers(0, 2)), min_size=40, max_size=200)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, auto=st.booleans())
+def test_any_sequence_keeps_pages_mapped_exactly_where_needed(ops, auto):
+    """After every operation: the invariants, capacity = mapped bytes, every live block mapped,
+    canaries intact, no refused driver call; after a release with every stream's work done: the
+    pages mapped are exactly those live blocks touch."""
+    with mapped(page=16 << 10, address_range=64 * MiB, host_limit=16 * (16 << 10)) as a:
+        a.set_auto_complete(auto)
+        live = []
+        for op, n, stream in ops:
+            n = n if op == "alloc" else n % 64
+            if op == "alloc":
+                try:
+                    p = a.allocate(n, stream=stream)
+                except ArenaOutOfMemory:
+                    continue
+                fill(p, n, len(live))
+                live.append((p, n, len(live)))
+            elif op == "free" and live:
+                p, size, seed = live.pop(n % len(live))
+                assert intact(p, size, seed)
+                a.free(p, stream=stream)
+            elif op == "record" and live:
+                a.record_stream(live[n % len(live)][0], stream)
+            elif op == "release":
+                a.release_cached()
+            elif op == "complete":
+                a.complete(stream)
+            consistent(a)
+        for p, size, seed in live:
+            assert intact(p, size, seed)
+        a.release_cached()  # waits for whatever is pending, so nothing cached may stay
+        consistent(a)
+        assert a.stats()["capacity"] == len(pages_touched(a)) * a.page_size
+
+
+# -- thread caches over a mapping arena --------------------------------------------------------------
+# A block a thread's cache keeps is lent, not free, to the arena: release must take it back before
+# it unmaps, or its pages would stay mapped; growth must take it back before it maps, or the cache
+# would make the arena map pages it already has free.
+
+def cached_mapped(**kw):
+    return mapped(thread_cache=4 * MiB, thread_cache_block=MiB, **kw)
+
+
+class Holder:
+    """A thread that runs steps on request and stays alive between them, its cache with it."""
+
+    def __init__(self):
+        self._jobs, self._done = [], threading.Condition()
+        self._thread = threading.Thread(target=self._loop)
+        self._thread.start()
+
+    def _loop(self):
+        while True:
+            with self._done:
+                while not self._jobs:
+                    self._done.wait()
+                fn, out = self._jobs[0]
+            if fn is None:
+                return
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # handed back to the test
+                out.append((False, e))
+            with self._done:
+                self._jobs.pop(0)
+                self._done.notify_all()
+
+    def __call__(self, fn):
+        out = []
+        with self._done:
+            self._jobs.append((fn, out))
+            self._done.notify_all()
+            while self._jobs:
+                self._done.wait()
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def end(self):
+        with self._done:
+            self._jobs.append((None, None))
+            self._done.notify_all()
+        self._thread.join()
+
+
+def until(predicate, timeout=30.0):
+    """Python's join() returns before the thread's cache is given back (a pthread key's
+    destructor runs after it), so what that changes is waited for, boundedly."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_release_takes_back_the_blocks_another_threads_cache_keeps_before_unmapping():
+    with cached_mapped() as a:
+        worker = Holder()
+        try:
+            def churn():
+                ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
+                for p in ps:
+                    a.free(p, stream=1)
+            worker(churn)                              # 8 pages mapped, every block kept by its cache
+            s, _ = consistent(a)
+            assert s["capacity"] == 8 * PAGE and s["in_use"] == 0 and s["free_blocks"] == 8
+            # This thread's request takes one block back from the worker's cache: no page is mapped.
+            live = a.allocate(100, stream=1)
+            assert a.mapping_counters()["pages_mapped"] == 8
+            released = a.release_cached()
+            s, c = consistent(a)
+            assert released == 7 * PAGE and s["capacity"] == PAGE, (released, s["capacity"])
+            assert pages_touched(a) == {live // PAGE} and c["pages_unmapped"] == 7
+            # The worker's cache is empty now: its next block comes from the arena, on mapped pages.
+            p = worker(lambda: a.allocate(PAGE, stream=1))
+            assert a.range_mapped(p, PAGE)
+            worker(lambda: a.free(p, stream=1))
+            a.free(live, stream=1)
+        finally:
+            worker.end()
+        a.release_cached()                             # this thread's cache keeps `live`: taken back too
+        s, c = consistent(a)
+        assert s["capacity"] == 0 and c["mapped"] == 0
+
+
+def test_a_thread_that_exits_with_cached_blocks_gives_them_back_and_release_unmaps_them():
+    with cached_mapped() as a:
+        def body():
+            ps = [a.allocate(n, stream=2) for n in (1000, PAGE, 3 * PAGE, 5000, PAGE // 2)]
+            for p in ps:
+                a.free(p, stream=2)
+            return a.stats()
+        t = threading.Thread(target=lambda: out.append(body()))
+        out = []
+        t.start()
+        t.join()
+        during = out[0]
+        assert during["in_use"] == 0 and during["free_blocks"] > 1   # kept whole by the cache
+        mapped_then = during["capacity"]
+        # At the thread's exit its blocks rejoin the arena and merge: one free block, still mapped.
+        assert until(lambda: a.stats()["free_blocks"] == 1)
+        s, _ = consistent(a)
+        assert s["capacity"] == mapped_then and s["largest_free"] == mapped_then
+        assert a.release_cached() == mapped_then
+        s, c = consistent(a)
+        assert s["capacity"] == 0 and s["regions"] == 0 and c["mapped"] == 0
+
+
+def test_a_threads_cache_never_makes_the_arena_map_more_pages():
+    with cached_mapped() as a:
+        worker = Holder()
+        try:
+            def churn():
+                ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
+                for p in ps:
+                    a.free(p, stream=1)
+            worker(churn)
+            before = a.mapping_counters()
+            # 4 pages, on the stream the cached blocks were freed on: the arena has no free block
+            # of its own, so it takes the worker's cached blocks back instead of mapping pages.
+            p = a.allocate(4 * PAGE, stream=1)
+            s, c = consistent(a)
+            assert c["maps"] == before["maps"] and s["capacity"] == 8 * PAGE
+            a.free(p, stream=1)
+        finally:
+            worker.end()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plans=st.lists(st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.integers(1, 3 * PAGE)),
+                               min_size=5, max_size=40), min_size=2, max_size=3),
+       keep=st.integers(0, 3))
+def test_after_a_release_the_pages_mapped_are_those_live_blocks_touch_whatever_threads_cache(plans, keep):
+    """Threads allocate and free, keep up to `keep` blocks live each and stay alive with their
+    caches full; a release from another thread leaves mapped exactly the pages live blocks touch,
+    and never more pages were mapped than the limit allows."""
+    with cached_mapped(page=16 << 10, address_range=64 * MiB, limit=256 * (16 << 10)) as a:
+        workers = [Holder() for _ in plans]
+        kept = []
+        try:
+            for i, (worker, plan) in enumerate(zip(workers, plans)):
+                def run(plan=plan, stream=i + 1):
+                    live = []
+                    for op, n in plan:
+                        if op == "alloc":
+                            try:
+                                live.append(a.allocate(n, stream=stream))
+                            except ArenaOutOfMemory:
+                                pass
+                        elif live:
+                            a.free(live.pop(n % len(live)), stream=stream)
+                    while len(live) > keep:
+                        a.free(live.pop(), stream=stream)
+                    return [(p, stream) for p in live]
+                kept += worker(run)
+            consistent(a)
+            a.release_cached()
+            s, _ = consistent(a)
+            assert s["capacity"] == len(pages_touched(a)) * a.page_size
+            assert s["blocks_in_use"] == len(kept)
+            for p, stream in kept:
+                a.free(p, stream=stream)
+            a.release_cached()
+            assert consistent(a)[0]["capacity"] == 0
+        finally:
+            for worker in workers:
+                worker.end()
+
+
+# -- the plugin's general pools, mapped --------------------------------------------------------------
+PLUGIN = """
+from alloc._core import ffi, lib
+c = ffi.new("ia_plugin_config_t *")
+c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 64 << 20, 256, 0, 1, {expandable}
+c.address_range = {address_range}
+assert lib.ia_plugin_configure(c) == lib.IA_OK
+MiB = 1 << 20
+def alloc(size, s=0, p=None):
+    return int(ffi.cast("uintptr_t", lib.ia_torch_alloc(size, 0, ffi.cast("void *", s), p if p is not None else ffi.NULL)))
+def free(ptr):
+    lib.ia_torch_free(ffi.cast("void *", ptr))
+def stats(pool):
+    s = ffi.new("ia_stats_t *")
+    lib.ia_arena_stats(lib.ia_plugin_arena(0, pool), s)
+    return s
+def check():
+    msg = ffi.new("char[]", 512)
+    for pool in (lib.IA_POOL_SMALL, lib.IA_POOL_LARGE):
+        assert lib.ia_arena_check(lib.ia_plugin_arena(0, pool), msg, 512), ffi.string(msg)
+    assert lib.ia_host_capture_violations() == 0
+"""
+
+
+def plugin(body, expandable=1, address_range=0):
+    done = run_python(PLUGIN.format(expandable=expandable, address_range=address_range) + body)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+    return done
+
+
+def test_the_plugin_maps_the_general_pools_and_empty_cache_unmaps_them():
+    plugin("""
+x = alloc(5 * MiB)                       # regions would reserve 20 MiB for it
+small = [alloc(1000) for _ in range(3000)]
+assert lib.ia_plugin_device_expandable(0)
+large, little = stats(lib.IA_POOL_LARGE), stats(lib.IA_POOL_SMALL)
+assert lib.ia_arena_page_size(lib.ia_plugin_arena(0, lib.IA_POOL_LARGE)) == 2 * MiB
+assert large.capacity == 6 * MiB and large.regions == 1 and little.capacity == 4 * MiB, (large.capacity, little.capacity)
+assert lib.ia_plugin_device_totals(0).capacity == 10 * MiB
+r = ffi.new("ia_region_info_t *")
+assert lib.ia_arena_address_range(lib.ia_plugin_arena(0, lib.IA_POOL_LARGE), r) and r.size == 8 << 30
+for p in small[1:]:
+    free(p)
+free(x)
+lib.ia_torch_empty_cache()
+check()
+assert stats(lib.IA_POOL_LARGE).capacity == 0 and stats(lib.IA_POOL_SMALL).capacity == 2 * MiB
+free(small[0])
+y = alloc(5 * MiB)                       # the same address: the range never moves
+assert y == x
+free(y)
+lib.ia_torch_empty_cache()
+assert lib.ia_plugin_device_totals(0).capacity == 0
+check()
+print("ok")
+""")
+
+
+def test_the_plugin_keeps_regions_when_expandable_is_off():
+    plugin("""
+x = alloc(5 * MiB)
+assert not lib.ia_plugin_device_expandable(0)
+assert lib.ia_arena_page_size(lib.ia_plugin_arena(0, lib.IA_POOL_LARGE)) == 0
+assert stats(lib.IA_POOL_LARGE).capacity == 20 * MiB
+print("ok")
+""", expandable=0)
+
+
+def test_graph_pools_keep_regions_and_nothing_is_unmapped_while_a_capture_runs():
+    plugin("""
+eager = alloc(8 * MiB, s=3)
+free(eager)
+pool = ffi.new("ia_pool_id_t *"); pool.first = 1
+assert lib.ia_graph_begin(0, pool[0]) == lib.IA_OK
+assert lib.ia_host_capture_begin(7, 1)
+g = alloc(5 * MiB, s=7, p=pool)          # from the graph's own arena: a 20 MiB region
+infos = ffi.new("ia_graph_pool_info_t[]", 4)
+assert lib.ia_graph_pools(0, infos, 4) == 1 and infos[0].capacity == 20 * MiB
+lib.ia_torch_empty_cache()               # a capture runs: nothing goes back
+assert stats(lib.IA_POOL_LARGE).capacity == 8 * MiB
+side = alloc(3 * MiB, s=4)               # eager growth while capturing maps pages, as cudaMalloc would
+lib.ia_host_capture_end(7)
+assert lib.ia_graph_end(0, pool[0]) == lib.IA_OK
+check()
+free(side)
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == 0
+free(g)
+assert lib.ia_graph_release(0, pool[0]) == lib.IA_OK
+check()
+print("ok")
+""")
+
+
+def test_a_request_wider_than_the_pools_range_says_so():
+    done = run_python(PLUGIN.format(expandable=1, address_range=64 << 20) + """
+alloc(100 * MiB)
+print("returned")
+""")
+    assert done.returncode != 0 and "returned" not in done.stdout
+    assert "No gap of its 64.00 MiB address range can take it" in done.stderr, done.stderr
+    assert "general large pool" in done.stderr and "mapped in 2.00 MiB pages" in done.stderr
+
+
+def test_the_report_says_which_pools_map(tmp_path):
+    report = tmp_path / "report.json"
+    plugin(f"""
+alloc(5 * MiB)
+assert lib.ia_plugin_write_report({str(report)!r}.encode())
+print("ok")
+""")
+    import json
+    data = json.loads(report.read_text())
+    assert data["devices"][0]["expandable"] is True
+    pools = {p["pool"]: p for p in data["devices"][0]["pools"]}
+    assert pools["large"]["stats"]["capacity"] == 6 * MiB
+
+
+def test_peer_devices_are_granted_the_mapped_pages_before_and_after_the_pools_exist():
+    plugin("""
+assert lib.ia_torch_enable_peer_access(3, 0) == lib.IA_OK      # device 0's pools do not exist yet
+x = alloc(5 * MiB)
+c = ffi.new("ia_mapping_counters_t *")
+def peers():
+    seen = []
+    for pool in (lib.IA_POOL_SMALL, lib.IA_POOL_LARGE):
+        lib.ia_host_mapping_counters(lib.ia_arena_backend(lib.ia_plugin_arena(0, pool)), c)
+        seen.append(c.peers)
+    return seen
+assert peers() == [1 << 3, 1 << 3]
+assert lib.ia_torch_enable_peer_access(5, 0) == lib.IA_OK      # and once they do
+assert peers() == [(1 << 3) | (1 << 5)] * 2
+assert lib.ia_torch_enable_peer_access(-1, 0) == lib.IA_ERR_INVALID_ARGUMENT
+assert lib.ia_torch_entry_points().enable_peer_access(5, 0) == lib.IA_OK
+print("ok")
+""")
+
+
+def merged(spans):
+    out = []
+    for lo, size in sorted(spans):
+        if out and out[-1][1] == lo:
+            out[-1][1] = lo + size
+        else:
+            out.append([lo, lo + size])
+    return out
+
+
+def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
+    """Maps are traced as reserves and unmaps as releases, so a snapshot made from the trace alone
+    covers exactly the mapped stretches (a stretch grown by several maps shows as adjacent
+    segments)."""
+    from alloc.export import segments_from_events
+    from alloc.trace import Trace
+    trace = Trace(1024)
+    with mapped() as a:
+        trace.attach(a, device=0, pool="large")
+        a.allocate(1000)                          # page 0
+        big = a.allocate(6 * PAGE)                # pages 0-6, mapped by a second map
+        a.allocate(1000)                          # page 6
+        a.free(big)
+        assert a.release_cached() == 5 * PAGE     # pages 1-5: the middle of a traced map
+        a.allocate(3 * PAGE)                      # pages 1-3 again, after page 0's free tail
+        events, dropped = trace.events()
+        assert dropped == 0 and {e.action for e in events} >= {"reserve", "release"}
+        segments = segments_from_events(events)
+        assert len(a.regions()) == 2
+        assert merged((s["address"], s["total_size"]) for s in segments) == merged((r.base, r.size) for r in a.regions())
+
+
+# -- the GPU failures of test_expandable_gpu.py, replayed over the host simulation ----------------
+# (docs/vmm-gpu-failures.md.) Each replays what the failing GPU test asked of the pools, with the
+# host mapping backend's 2 MiB pages in place of the driver's, and shows the figure the GPU run
+# reported coming out of a release that did unmap every whole free page: the tests measured after
+# something else was allocated, or kept a tensor live, not a release that left pages mapped.
+
+def test_gpu_empty_cache_figure_182_mib_is_the_loop_variable_keeping_the_70_mib_tensor_live():
+    plugin("""
+total = lambda: lib.ia_plugin_device_totals(0).capacity
+keep = alloc(12 * MiB)
+ts = [alloc(n * MiB) for n in (30, 50, 70)]
+small = [alloc(4000) for _ in range(100)]
+t = ts[-1]                               # `for t in ts: t.fill_(7)` leaves t bound to the 70 MiB tensor
+for p in ts[:-1] + small:                # `del ts, small` frees the others only
+    free(p)
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == (12 + 70) * MiB and stats(lib.IA_POOL_SMALL).capacity == 0
+again = alloc(100 * MiB)                 # 80 MiB hole between keep and t: mapped after t instead
+assert total() == 190840832, total()     # the GPU run's "after", measured once `again` was mapped
+free(t)
+free(again)
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == 12 * MiB and total() == 12 * MiB   # keep's pages only
+check()
+print("ok")
+""")
+
+
+def test_gpu_unmapped_figure_62_mib_is_a_small_page_mapped_by_the_reduction_after_the_release():
+    plugin("""
+total = lambda: lib.ia_plugin_device_totals(0).capacity
+x = alloc(64 * MiB)
+y = alloc(64 * MiB, s=5)                 # y = x * 2 on the side stream
+lib.ia_torch_record_stream(ffi.cast("void *", x), ffi.cast("void *", 5))
+free(x)
+reserved = total()
+lib.ia_torch_empty_cache()
+assert reserved - total() == 64 * MiB    # the whole block went, once the side stream was done
+m = alloc(4)                             # y.min(): its one-element result maps a small page
+assert reserved - total() == 62 * MiB    # the GPU run's figure, measured after y.min()
+free(m); free(y)
+check()
+print("ok")
+""")
+
+
+def test_gpu_graph_figure_44_mib_is_the_graph_pool_region_of_the_captured_output():
+    plugin("""
+total = lambda: lib.ia_plugin_device_totals(0).capacity
+x = alloc(64 * MiB, s=3)
+static = alloc(4 * MiB, s=3)
+state = alloc(1000, s=3)                 # small tensors live through the capture (a small page)
+pool = ffi.new("ia_pool_id_t *"); pool.first = 1
+assert lib.ia_graph_begin(0, pool[0]) == lib.IA_OK
+assert lib.ia_host_capture_begin(7, 1)
+free(x)
+before = total()
+lib.ia_torch_empty_cache()
+assert total() == before == 70 * MiB     # the GPU run's "before" and "during"
+out = alloc(4 * MiB, s=7, p=pool)        # out = static * 3: a 20 MiB region of the graph's pool
+lib.ia_host_capture_end(7)
+assert lib.ia_graph_end(0, pool[0]) == lib.IA_OK
+mid = total()
+lib.ia_torch_empty_cache()
+assert stats(lib.IA_POOL_LARGE).capacity == 4 * MiB and mid - total() == 64 * MiB
+assert before - total() == 44 * MiB      # the GPU run's before - after: 64 MiB less the graph region
+free(out); free(static); free(state)
+assert lib.ia_graph_release(0, pool[0]) == lib.IA_OK
+check()
+print("ok")
+""")
