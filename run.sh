@@ -33,8 +33,8 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 stamp="$venv/.installed-$(cat pyproject.toml setup.py csrc/*.c csrc/*.h | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
-  say "installing indexer-arena and its test dependencies, building the C core"
-  "$py" -m pip install --quiet -e ".[test,torch]"
+  say "installing indexer-arena, its tools and test dependencies, building the C core"
+  "$py" -m pip install --quiet -e ".[test,torch,tools]"
   touch "$stamp"
 fi
 

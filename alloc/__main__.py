@@ -2,10 +2,9 @@
 
   keys         the configuration keys of INDEXER_ARENA_CONF
   devices      per CUDA device: memory attributes, unified or not, free memory
-  fit          pre-launch check: does a chunked-prefill configuration fit? (exit 1 if not)
-  report       memory report of a saved snapshot, trace or out-of-memory report
-  replay       replay an allocation trace under several allocators
   build-shim   compile the C++ shims for the installed torch ahead of time
+
+The offline tools (fit, report, replay) are python -m arena_tools.
 """
 
 from __future__ import annotations
@@ -14,27 +13,33 @@ import argparse
 import os
 import sys
 
+TOOLS = ("fit", "report", "replay")  # commands that moved to python -m arena_tools
 
-def _no_arguments(command: str, description: str, argv: list[str]) -> None:
+
+def _no_arguments(command: str, description: str, argv: list[str], prog: str) -> None:
     """The commands that take no arguments: --help describes them, anything else is refused."""
-    parser = argparse.ArgumentParser(prog=f"python -m alloc {command}", description=description)
+    parser = argparse.ArgumentParser(prog=f"{prog} {command}", description=description)
     parser.parse_args(argv)  # exits 0 for --help, 2 with a usage line for anything else
 
 
-def _keys(argv: list[str]) -> int:
-    _no_arguments("keys", "The configuration keys of INDEXER_ARENA_CONF.", argv)
+def keys(argv: list[str], prog: str = "python -m alloc") -> int:
+    _no_arguments("keys", "The configuration keys of INDEXER_ARENA_CONF.", argv, prog)
     from .config import ENV_VAR, VLLM_BUDGET_VAR, describe_keys
     print(f"{ENV_VAR}=key:value,key:value   ({VLLM_BUDGET_VAR} also sets budget_mb)\n")
     print(describe_keys())
     return 0
 
 
-def _devices(argv: list[str]) -> int:
-    _no_arguments("devices", "Per CUDA device: memory attributes, unified or not, whether the driver maps "
-                  "pages (expandable), free memory.", argv)
+def _columns(rows: list[list[str]]) -> str:
+    """Rows as left-aligned columns, the first row a header underlined."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def devices(argv: list[str], prog: str = "python -m alloc") -> int:
+    _no_arguments("devices", "Per CUDA device: memory attributes, unified or not, whether the driver maps pages (expandable), free memory.", argv, prog)
     import torch
-    from rich.console import Console
-    from rich.table import Table
 
     from ._core import ffi, lib
     from .plugin import loaded_cudart
@@ -42,32 +47,31 @@ def _devices(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device is visible")
         return 1
-    table = Table(title="CUDA devices")
-    for col in ("device", "name", *FIELDS, "unified", "maps pages", "free / total MiB"):
-        table.add_column(col)
+    rows = [["device", "name", *FIELDS, "unified", "maps pages", "free / total MiB"]]
     notes = []
+    cudart = loaded_cudart()
     for d in range(torch.cuda.device_count()):
         attrs = device_attributes(d)
         free, total = torch.cuda.mem_get_info(d)
-        cudart = loaded_cudart()
         maps = lib.ia_vmm_supported(d, ffi.new("char[]", cudart.encode()) if cudart else ffi.NULL) == lib.IA_OK
-        if not maps:
+        if not maps:  # expandable:auto serves this device's general pools from regions
             notes.append(f"device {d}: {ffi.string(lib.ia_cuda_last_error()).decode()}")
-        table.add_row(str(d), torch.cuda.get_device_name(d), *(str(attrs[f]) for f in FIELDS),
-                      "yes" if is_unified(attrs) else "no", "yes" if maps else "no",
-                      f"{free >> 20:,} / {total >> 20:,}")
-    console = Console()
-    console.print(table)
-    for note in notes:  # expandable:auto serves these devices' general pools from regions
-        console.print(note)
+        rows.append([str(d), torch.cuda.get_device_name(d), *(str(attrs[f]) for f in FIELDS),
+                     "yes" if is_unified(attrs) else "no", "yes" if maps else "no",
+                     f"{free >> 20:,} / {total >> 20:,}"])
+    print("CUDA devices")
+    print(_columns(rows))
+    for note in notes:
+        print(note)
     return 0
 
 
-def _build_shim(argv: list[str]) -> int:
+def build_shim(argv: list[str], prog: str = "python -m alloc") -> int:
     """Builds the out-of-memory shim, and the process-scope allocator where torch has CUDA."""
     _no_arguments("build-shim", "Compile the C++ shims for the installed torch ahead of time and print "
-                  "their paths (cached under $INDEXER_ARENA_CACHE, default ~/.cache/indexer-arena).", argv)
+                  "their paths (cached under $INDEXER_ARENA_CACHE, default ~/.cache/indexer-arena).", argv, prog)
     import torch
+
     from .shims import build
     print(build("oom"))
     if torch.version.cuda:
@@ -75,39 +79,31 @@ def _build_shim(argv: list[str]) -> int:
     return 0
 
 
-def _fit(argv: list[str]) -> int:
-    from .fit import main
-    return main(argv)
+COMMANDS = {"keys": keys, "devices": devices, "build-shim": build_shim}
 
 
-def _report(argv: list[str]) -> int:
-    from .report import main
-    return main(argv)
-
-
-def _replay(argv: list[str]) -> int:
-    from .replay import main
-    return main(argv)
-
-
-COMMANDS = {"keys": _keys, "devices": _devices, "fit": _fit, "report": _report, "replay": _replay,
-            "build-shim": _build_shim}
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def run(commands: dict, doc: str, argv: list[str], moved: dict[str, str] | None = None) -> int:
+    """Dispatches argv[0] to one of ``commands``; ``moved`` names the new home of old commands."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__)
+        print(doc)
         return 0 if argv else 2
-    command = COMMANDS.get(argv[0])
+    if moved and argv[0] in moved:
+        print(f"{argv[0]!r} is an offline tool now: run {moved[argv[0]]} {argv[0]} ...", file=sys.stderr)
+        return 2
+    command = commands.get(argv[0])
     if command is None:
-        print(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"unknown command {argv[0]!r}; commands: {', '.join(commands)}", file=sys.stderr)
         return 2
     try:
         return command(argv[1:])
     except BrokenPipeError:  # the reader went away (`keys | head -1`): not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(COMMANDS, __doc__, sys.argv[1:] if argv is None else argv,
+               moved=dict.fromkeys(TOOLS, "python -m arena_tools"))
 
 
 if __name__ == "__main__":

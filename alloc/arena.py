@@ -13,9 +13,6 @@ from ._core import ffi, lib
 from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
 from .units import MAX_SIZE, U64_MAX, fmt_bytes
 
-STREAM_NONE = U64_MAX
-"""Stream value of memory no stream has touched yet."""
-
 
 def _checked(name: str, value, low: int, high: int) -> int:
     """An int argument, checked before it reaches C, where it would be wrapped to 64 bits."""

@@ -69,42 +69,49 @@ class Key:
     parse: Callable[[str], object]
     accepted: str
     doc: str
+    default: object  # what a key that is not given takes (None: off)
+
+    @property
+    def shown_default(self) -> str:
+        return "none" if self.default is None else str(self.default)
 
 
+# The one table of the configuration: Config's fields, `python -m alloc keys` and the README's
+# table (describe_keys, markdown_keys) all come from it.
 KEYS: dict[str, Key] = {k.name: k for k in (
     Key("budget_mb", _int_in(1, MAX_MIB, "must be greater than zero"), "a positive integer number of MiB",
-        "size of each device's workspace arena, reserved once (default 512)"),
+        "size of each device's workspace arena, reserved once", 512),
     Key("alignment", _power_of_two_16, "a power of two from 16 to 2**30 (bytes)",
-        "alignment of every workspace block (default 256)"),
+        "alignment of every workspace block", 256),
     Key("unified", _choice("auto", "on", "off"), "auto, on or off",
         "guard every device reservation against host memory, as unified-memory GPUs need "
-        "(default auto: on where the device reports itself integrated)"),
+        "(auto: on where the device reports itself integrated)", "auto"),
     Key("host_headroom_mb", _int_in(0, MAX_MIB, "must not be negative"), "a non-negative integer number of MiB",
-        "unified memory: host memory kept free beyond every reservation (default 4096)"),
+        "unified memory: host memory kept free beyond every reservation", 4096),
     Key("meminfo", _path, "a path to a file in /proc/meminfo format",
-        "unified memory: where MemAvailable is read (default /proc/meminfo)"),
+        "unified memory: where MemAvailable is read", "/proc/meminfo"),
     Key("trace", _int_in(0, 1 << 32, "must not be negative"), "a non-negative integer (events)",
-        "record allocation events in a ring of this many entries (default 0: off)"),
+        "record allocation events in a ring of this many entries (0: off)", 0),
     Key("oom_report", _path, "a file path",
-        "on out-of-memory, write the memory report there and name it in the error (default: none)"),
+        "on out-of-memory, write the memory report there and name it in the error", None),
     Key("expandable", _choice("auto", "on", "off"), "auto, on or off",
         "process scope: each general pool is one address range whose 2 MiB pages are mapped as "
         "blocks need them and unmapped by torch.cuda.empty_cache(), as PyTorch's "
-        "expandable_segments (default auto: where the driver supports CUDA virtual memory "
-        "management; off: regions, one cudaMalloc each; on: refuse to start where it cannot)"),
+        "expandable_segments (auto: where the driver supports CUDA virtual memory management; "
+        "off: regions, one cudaMalloc each; on: refuse to start where it cannot)", "auto"),
 )}
 
 
 @dataclass(frozen=True)
 class Config:
-    budget_mb: int = 512
-    alignment: int = 256
-    unified: str = "auto"
-    host_headroom_mb: int = 4096
-    meminfo: str = "/proc/meminfo"
-    trace: int = 0
-    oom_report: str | None = None
-    expandable: str = "auto"
+    budget_mb: int = KEYS["budget_mb"].default
+    alignment: int = KEYS["alignment"].default
+    unified: str = KEYS["unified"].default
+    host_headroom_mb: int = KEYS["host_headroom_mb"].default
+    meminfo: str = KEYS["meminfo"].default
+    trace: int = KEYS["trace"].default
+    oom_report: str | None = KEYS["oom_report"].default
+    expandable: str = KEYS["expandable"].default
 
     def __post_init__(self):
         """Every field is checked as the environment's text would be, whatever made the Config."""
@@ -181,5 +188,12 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
 
 
 def describe_keys() -> str:
-    """One line per key, for the CLI and the README."""
-    return "\n".join(f"{k.name:<18} {k.doc}; {k.accepted}" for k in KEYS.values())
+    """One line per key, for ``python -m alloc keys``."""
+    return "\n".join(f"{k.name:<18} {k.doc} (default {k.shown_default}); {k.accepted}"
+                     for k in KEYS.values())
+
+
+def markdown_keys() -> str:
+    """The README's table of the keys."""
+    rows = [f"| `{k.name}` | {k.shown_default} | {k.doc}; {k.accepted} |" for k in KEYS.values()]
+    return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])

@@ -27,7 +27,11 @@ from .arena import Arena, stats_dict
 from .errors import InstallError
 from .units import fmt_bytes
 
-POOLS = ("workspace", "small", "large")
+POOLS = tuple(ffi.string(lib.ia_plugin_pool_name(p)).decode() for p in range(lib.IA_POOL_COUNT))
+"""The pools of a device, in the C core's order: traces and reports name them so."""
+MAX_DEVICES = lib.IA_MAX_DEVICES
+SMALL_REQUEST = lib.IA_SMALL_REQUEST
+"""General requests up to this many bytes go to the small pool, larger ones to the large pool."""
 SCOPES = ("process", "workspace")
 _SCOPE_CODES = {"process": lib.IA_SCOPE_PROCESS, "workspace": lib.IA_SCOPE_WORKSPACE}
 
@@ -43,6 +47,20 @@ class _Installed:
 
 _state_lock = threading.Lock()
 _installed: _Installed | None = None
+
+
+def pool_options(pool: str) -> dict:
+    """How the C core makes a device's arena of ``pool``, as ``alloc.Arena`` keyword arguments
+    (the workspace arena's ``capacity`` and ``alignment`` are the installed configuration's, 0
+    before ``install()``)."""
+    o = ffi.new("ia_arena_options_t *")
+    if pool not in POOLS or lib.ia_plugin_pool_options(POOLS.index(pool), o) != lib.IA_OK:
+        raise ValueError(f"unknown pool {pool!r}; accepted: {', '.join(POOLS)}")
+    exact = int(o.region_exact_above)
+    return {"capacity": int(o.capacity), "alignment": int(o.alignment), "growable": bool(o.growable),
+            "region_min": int(o.region_min), "region_round": int(o.region_round),
+            "region_exact_above": None if exact == int(ffi.cast("size_t", -1)) else exact,
+            "thread_cache": int(o.thread_cache), "thread_cache_block": int(o.thread_cache_block)}
 
 
 def core_library_path() -> str:

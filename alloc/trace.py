@@ -1,4 +1,4 @@
-"""Allocation traces: the C core records events into a bounded ring with no Python on the hot path;
+"""Allocation traces (events: alloc.records.Event): the C core records events into a bounded ring with no Python on the hot path;
 this module switches recording on and reads the ring out.
 
 A full ring overwrites its oldest events; ``Trace.events()`` reports how many were dropped so a
@@ -9,26 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from ._core import ffi, lib
 from .errors import ArenaError
 from .plugin import POOLS
+from .records import Event
 
 ACTIONS = {lib.IA_TRACE_ALLOC: "alloc", lib.IA_TRACE_FREE: "free", lib.IA_TRACE_FAIL: "fail",
            lib.IA_TRACE_RESERVE: "reserve", lib.IA_TRACE_RELEASE: "release"}
-
-
-@dataclass(frozen=True)
-class Event:
-    time_ns: int
-    thread: int
-    action: str     # alloc, free, fail, reserve, release
-    address: int
-    size: int       # requested bytes (alloc, fail); block bytes (free); region bytes
-    stream: int
-    device: int
-    pool: str       # workspace, small, large (plugin arenas) or the tag given to attach()
 
 
 class Trace:

@@ -11,18 +11,15 @@ process, the allocators alternated round after round (A B C A B C).
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
 from rich.console import Console
 from rich.table import Table
 
-ALLOCATORS = {  # name -> (PYTORCH_CUDA_ALLOC_CONF, install the arena)
-    "default": ("", False),
-    "expandable": ("expandable_segments:True", False),
-    "arena": ("", True),
-}
+from arena_tools import allocators
+
+ALLOCATORS = ("default", "expandable", "arena")  # of arena_tools.allocators
 MiB = 1 << 20
 
 
@@ -67,9 +64,7 @@ def worker(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import alloc
-    arena = ALLOCATORS[args.worker][1]
-    if arena:
-        alloc.install(alloc.Config(budget_mb=args.budget_mb))
+    arena = allocators.install(args.worker, alloc.Config(budget_mb=args.budget_mb)) is not None
     torch.cuda.init()
     free0 = torch.cuda.mem_get_info()[0]
     torch.manual_seed(0)
@@ -141,23 +136,15 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=int, default=512)
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args)))
+        allocators.write_result(args.result, worker(args))
         return
-    runs = []
-    forwarded = [a for a in sys.argv[1:]]
-    if "--json" in forwarded:
-        i = forwarded.index("--json")
-        del forwarded[i:i + 2]
-    for _ in range(args.rounds):
-        for name, (alloc_conf, _) in ALLOCATORS.items():
-            env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf}
-            done = subprocess.run([sys.executable, __file__, "--worker", name, *forwarded], env=env,
-                                  capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    forwarded = allocators.without_option(sys.argv[1:], "--json")
+    runs = allocators.run_each(ALLOCATORS, lambda name, result: [
+        sys.executable, __file__, "--worker", name, "--result", result, *forwarded], rounds=args.rounds)
+    allocators.stop_on_error(runs)
     table = Table(title=f"Decode as a CUDA graph beside the seed prefill: Llama-style, {args.layers} layers, "
                         f"batch {args.batch}, prompt {args.prompt}, {args.new} steps ({runs[0]['device']}, "
                         f"torch {runs[0]['torch']}, transformers {runs[0]['transformers']}; rounds alternate)")

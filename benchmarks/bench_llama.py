@@ -11,14 +11,14 @@ allocators alternated round after round (A B C D E A B C D E).
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
 from rich.console import Console
 from rich.table import Table
+
+from arena_tools import allocators
 
 
 def worker(args) -> dict:
@@ -26,9 +26,7 @@ def worker(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import alloc
-    scope = ALLOCATORS[args.worker][1]
-    if scope:
-        alloc.install(scope=scope)
+    scope = allocators.install(args.worker, alloc.Config(trace=1 << 23) if args.trace else None)
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=args.layers,
                          num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
@@ -52,7 +50,8 @@ def worker(args) -> dict:
     memory = alloc if scope else torch.cuda  # alloc's figures are PyTorch's in workspace scope
     peak_reserved, peak_allocated = memory.max_memory_reserved(), memory.max_memory_allocated()
     if args.trace and scope == "process":
-        from alloc import export, trace
+        from alloc import trace
+        from arena_tools import export
         events, dropped = trace.plugin_trace().events()
         if dropped:
             raise SystemExit(f"the trace dropped {dropped} events: raise its capacity")
@@ -84,13 +83,7 @@ def pool_breakdown(scope) -> dict:
             for pool in ("small", "large")}
 
 
-ALLOCATORS = {  # name -> (PYTORCH_CUDA_ALLOC_CONF, the arena's scope or None, INDEXER_ARENA_CONF)
-    "default": ("", None, ""),
-    "expandable": ("expandable_segments:True", None, ""),
-    "arena": ("", "process", ""),
-    "arena-regions": ("", "process", "expandable:off"),
-    "arena-workspace": ("", "workspace", ""),
-}
+ALLOCATORS = ("default", "expandable", "arena", "arena-regions", "arena-workspace")  # of arena_tools.allocators
 
 
 def main() -> None:
@@ -104,26 +97,18 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
     parser.add_argument("--label", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--trace", help="the process scope's run writes its allocation trace (CSV) "
-                        "there, for python -m alloc replay (tracing slows the arena's runs)")
+                        "there, for python -m arena_tools replay (tracing slows the arena's runs)")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args)))
+        allocators.write_result(args.result, worker(args))
         return
-    runs = []
-    for round_ in range(args.rounds):
-        for name, (alloc_conf, _, arena_conf) in ALLOCATORS.items():
-            cmd = [sys.executable, __file__, "--worker", name, "--label", name, *sys.argv[1:]]
-            if "--json" in cmd:
-                i = cmd.index("--json")
-                del cmd[i:i + 2]
-            if args.trace:
-                arena_conf = ",".join(filter(None, (arena_conf, f"trace:{1 << 23}")))
-            env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": alloc_conf, "INDEXER_ARENA_CONF": arena_conf}
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    forwarded = allocators.without_option(sys.argv[1:], "--json")
+    runs = allocators.run_each(ALLOCATORS, lambda name, result: [
+        sys.executable, __file__, "--worker", name, "--label", name, "--result", result, *forwarded],
+        rounds=args.rounds)
+    allocators.stop_on_error(runs)
     MiB = 1 << 20
     d = runs[0]
 
@@ -160,6 +145,12 @@ def main() -> None:
     for name, r in best.items():
         print(f"{name} / default (best rounds): time {r['seconds'] / base['seconds']:.3f}, device "
               f"used {r['device_used_end'] / base['device_used_end']:.3f}")
+    theirs = best["expandable"]
+    for name in ("arena", "arena-regions"):
+        r = best[name]
+        print(f"{name} against expandable segments: device used at the end {r['device_used_end'] / MiB:,.0f} / "
+              f"{theirs['device_used_end'] / MiB:,.0f} MiB, peak reserved {r['peak_reserved'] / MiB:,.0f} / "
+              f"{theirs['peak_reserved'] / MiB:,.0f} MiB")
     theirs = best["expandable"]
     for name in ("arena", "arena-regions"):
         r = best[name]

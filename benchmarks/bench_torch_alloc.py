@@ -6,26 +6,23 @@ fresh process: the cost every tensor of a serving process pays.
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
 from rich.console import Console
 from rich.table import Table
 
-ALLOCATORS = {"default": "", "expandable": "expandable_segments:True",
-              "cuda-async": "backend:cudaMallocAsync", "arena": None}
+from arena_tools import allocators
+
+ALLOCATORS = ("default", "expandable", "cuda-async", "arena")  # of arena_tools.allocators
 
 
 def worker(name: str, iters: int, repeats: int) -> dict:
     import torch
 
-    import alloc
-    if name == "arena":
-        alloc.install()
+    allocators.install(name)
     rng = random.Random(0)
     sizes = [int(4096 * 2 ** rng.uniform(0, 12)) for _ in range(4096)]  # log-uniform 4 KiB..16 MiB
     for s in sizes:  # steady state: every size class has been seen once
@@ -49,19 +46,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json")
     parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.iters, args.repeats)))
+        allocators.write_result(args.result, worker(args.worker, args.iters, args.repeats))
         return
-    results = []
-    for name, conf in ALLOCATORS.items():
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": conf or ""}
-        done = subprocess.run([sys.executable, __file__, "--worker", name, "--iters", str(args.iters),
-                               "--repeats", str(args.repeats)], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            results.append({"allocator": name, "error": done.stderr.strip()[-300:]})
-        else:
-            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    results = allocators.run_each(ALLOCATORS, lambda name, result: [
+        sys.executable, __file__, "--worker", name, "--result", result, "--iters", str(args.iters),
+        "--repeats", str(args.repeats)])
     base = next(r["us_per_pair"] for r in results if r["allocator"] == "default" and "error" not in r)
     table = Table(title=f"torch.empty + del, mixed 4 KiB-16 MiB, median of {args.repeats} x {args.iters:,}")
     for col in ("allocator", "us / pair", "vs default"):

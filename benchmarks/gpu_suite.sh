@@ -69,7 +69,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     tp) step tp_seed $py benchmarks/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     replay)
       step report_example $py benchmarks/report_example.py "$OUT/report"
-      step replay $py -m alloc replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;
+      step replay $py -m arena_tools replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done

@@ -16,7 +16,7 @@ Device,Pool) and snapshot.pickle (PyTorch's memory snapshot), then prints the re
     python benchmarks/report_example.py DIR [--prompt-tokens N] [--chunk-tokens N] [--budget-mb N]
                                             [--cpu] [--no-fill]
 
-Then, e.g.:  python -m alloc replay DIR/trace.csv --json DIR/replay.json
+Then, e.g.:  python -m arena_tools replay DIR/trace.csv --json DIR/replay.json
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def run_gpu(args, out: str) -> dict:
 
     import alloc
     from alloc.config import from_env
-    from alloc.report import live_report, write_outputs
+    from arena_tools.arena_report import live_report
+    from arena_tools.report import write_outputs
     from alloc.trace import plugin_trace
     config = alloc.install(from_env().replace(budget_mb=args.budget_mb, trace=args.trace_capacity))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -84,7 +85,8 @@ def run_gpu(args, out: str) -> dict:
 
 def run_host(args, out: str) -> dict:
     from alloc import Arena
-    from alloc.report import collect, write_outputs
+    from arena_tools.arena_report import collect
+    from arena_tools.report import write_outputs
     from alloc.trace import Trace
     torch = None
     if not args.no_fill:

@@ -16,27 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 
 from rich.console import Console
 from rich.table import Table
 
-ALLOCATORS = {  # name -> (PYTORCH_CUDA_ALLOC_CONF, the arena's scope or None)
-    "default": ("", None),
-    "expandable": ("expandable_segments:True", None),
-    "cuda-async": ("backend:cudaMallocAsync", None),
-    "arena": ("", "process"),
-    "arena-workspace": ("", "workspace"),
-}
+from arena_tools import allocators
+from arena_tools.allocators import ALLOCATORS
+
 MiB = 1 << 20
 TOPK = 2048
 
 
 def workload(args):
-    from alloc.fit import seed_workload
+    from arena_tools.fit import seed_workload
     return list(seed_workload(args.prompt_tokens, args.chunk_tokens, args.compress_ratio,
                               args.budget_mb * MiB, topk=0))
 
@@ -46,9 +40,7 @@ def run_on_gpu(args) -> dict:
     import torch
 
     import alloc
-    scope = ALLOCATORS[args.worker][1]
-    if scope:
-        alloc.install(alloc.Config(budget_mb=args.budget_mb), scope=scope)
+    scope = allocators.install(args.worker, alloc.Config(budget_mb=args.budget_mb))
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
     workspace = alloc.workspace if scope else _no_scope
@@ -99,16 +91,8 @@ class _no_scope:
 
 
 def compare_on_gpu(args) -> list[dict]:
-    results = []
-    for name in args.allocators:
-        env = {**os.environ, "PYTORCH_CUDA_ALLOC_CONF": ALLOCATORS[name][0]}
-        cmd = [sys.executable, __file__, "--worker", name, *_common(args)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            results.append({"allocator": name, "error": done.stderr.strip().splitlines()[-1:]})
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    return results
+    return allocators.run_each(args.allocators, lambda name, result: [
+        sys.executable, __file__, "--worker", name, "--result", result, *_common(args)])
 
 
 def _common(args) -> list[str]:
@@ -151,7 +135,7 @@ def simulate_on_host(args, console: Console) -> dict:
     import ctypes
 
     from alloc import Arena
-    from alloc.fit import fit, print_table
+    from arena_tools.fit import fit, print_table
     plans = workload(args)
     budget = args.budget_mb * MiB
     start = time.perf_counter()
@@ -188,6 +172,7 @@ def main() -> None:
     parser.add_argument("--budget-mb", type=int, default=512)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in args.allocators:
         if name not in ALLOCATORS:
@@ -195,11 +180,11 @@ def main() -> None:
     for flag in ("prompt_tokens", "chunk_tokens", "compress_ratio", "budget_mb"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
-    from alloc.paths import unwritable
+    from arena_tools.paths import unwritable
     if args.json and unwritable(args.json, "--json"):
         parser.error(unwritable(args.json, "--json"))
     if args.worker:
-        print(json.dumps(run_on_gpu(args)))
+        allocators.write_result(args.result, run_on_gpu(args))
         return
     console = Console()
     import torch

@@ -36,9 +36,7 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -456,21 +454,28 @@ def plan_runs(allocators: list[str], nproc: int, reference: bool) -> list[tuple[
     return runs
 
 
-def launch_run(args, allocator: str, nproc: int, json_path: Path) -> tuple[int, list[str]]:
-    cmd = [sys.executable, "-m", "tp.launch", "--nproc-per-node", str(nproc), "--allocator",
-           allocator, str(Path(__file__).resolve()), "--json", str(json_path),
-           *workload_argv(args)]
+def launch_run(args, allocator: str, nproc: int) -> tuple[int, list[str], dict | None]:
+    """One run in a fresh set of processes: (exit status, command, the run's JSON or None). The
+    ranks' allocator is set up by tp.launch from arena_tools.allocators."""
+    from arena_tools import allocators
     env = dict(os.environ)
-    # "default" means PyTorch's allocator as it ships; under the arena the setting is moot.
-    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if args.budget_bytes is None:
         env["VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"] = str(args.budget_mb)
     if allocator == "none":
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    print(f"=== {shlex.join(cmd)}", flush=True)
-    done = subprocess.run(cmd, env=env, cwd=ROOT, timeout=args.run_timeout)
-    return done.returncode, cmd
+    cmds = []
+
+    def argv(result_path: str) -> list[str]:
+        cmds.append([sys.executable, "-m", "tp.launch", "--nproc-per-node", str(nproc), "--allocator",
+                     allocator, str(Path(__file__).resolve()), "--json", result_path, *workload_argv(args)])
+        print(f"=== {shlex.join(cmds[-1])}", flush=True)
+        return cmds[-1]
+
+    out = allocators.run_child(argv, env, timeout=args.run_timeout, capture=False, cwd=str(ROOT))
+    if "error" not in out:
+        return 0, cmds[-1], out
+    return out["exit_status"], cmds[-1], out.get("result")
 
 
 def orchestrate(args) -> int:
@@ -480,16 +485,14 @@ def orchestrate(args) -> int:
     nproc = args.nproc_per_node or (min(2, torch.cuda.device_count()) if cuda else 2)
     runs = plan_runs(allocators, nproc, not args.no_reference)
     results = []
-    with tempfile.TemporaryDirectory(prefix="tp_seed-") as tmp:
-        for allocator, n in runs:
-            path = Path(tmp) / f"{allocator}-{n}.json"
-            t0 = time.perf_counter()
-            code, cmd = launch_run(args, allocator, n, path)
-            entry = {"allocator": allocator, "world_size": n, "command": shlex.join(cmd),
-                     "exit_status": code, "elapsed_s": time.perf_counter() - t0}
-            if path.exists():
-                entry["run"] = json.loads(path.read_text())
-            results.append(entry)
+    for allocator, n in runs:
+        t0 = time.perf_counter()
+        code, cmd, run = launch_run(args, allocator, n)
+        entry = {"allocator": allocator, "world_size": n, "command": shlex.join(cmd),
+                 "exit_status": code, "elapsed_s": time.perf_counter() - t0}
+        if run is not None:
+            entry["run"] = run
+        results.append(entry)
     comparison = compare_runs(results)
     summaries = [rank_summary(e["run"], r) for e in results if "run" in e
                  for r in e["run"]["ranks"]]

@@ -315,6 +315,16 @@ void ia_arena_set_trace(ia_arena_t *arena, ia_trace_t *trace, int32_t device, ui
  * The PyTorch plugin: per-device arenas behind CUDAPluggableAllocator's entry points.
  * ---------------------------------------------------------------------------------------------- */
 enum { IA_POOL_WORKSPACE = 0, IA_POOL_SMALL = 1, IA_POOL_LARGE = 2, IA_POOL_COUNT = 3 };
+/* Devices the plugin serves: indices 0 to IA_MAX_DEVICES - 1. General requests of up to
+ * IA_SMALL_REQUEST bytes go to the small pool, larger ones to the large pool. */
+enum { IA_MAX_DEVICES = 64, IA_SMALL_REQUEST = 1 << 20 };
+/* The pool's name as traces and reports write it ("workspace", "small", "large"); NULL for a
+ * pool outside 0 to IA_POOL_COUNT - 1. */
+const char *ia_plugin_pool_name(int pool);
+/* The options a device's arena of `pool` is created with under the current configuration (the
+ * workspace arena's capacity and alignment come from it; 0 before ia_plugin_configure).
+ * IA_ERR_INVALID_ARGUMENT for an unknown pool. */
+ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *out);
 
 /* How the plugin serves PyTorch. Process scope: ia_torch_alloc/free are the process's CUDA
  * allocator (change_current_allocator) and every pool exists. Workspace scope: PyTorch's own

@@ -136,8 +136,7 @@ typedef struct {
 void _ia_registry_hook(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size, bool added);
 ia_arena_t *_ia_registry_find(const void *ptr, const _ia_owner_t **owner);
 
-/* Between plugin.c and graphs.c. */
-#define IA_MAX_DEVICES 64
+/* Between plugin.c and graphs.c (IA_MAX_DEVICES: arena.h). */
 enum { GRAPH_SMALL = 0, GRAPH_LARGE = 1, GRAPH_WORKSPACE = 2, GRAPH_KINDS = 3 };
 ia_totals_t *_ia_plugin_totals(int device);
 /* A new arena of a graph pool: small and large like the device's general pools; workspace carved

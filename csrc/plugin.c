@@ -38,7 +38,7 @@
 #include "internal.h"
 
 #define MAX_DEVICES IA_MAX_DEVICES
-#define SMALL_REQUEST ((size_t)1 << 20)
+#define SMALL_REQUEST ((size_t)IA_SMALL_REQUEST)
 #define MiB ((size_t)1 << 20)
 /* PyTorch's caching allocator: a small-block segment (kSmallBuffer) and the smallest large one
  * (kLargeBuffer); large segments grow in 2 MiB steps (kRoundLarge). */
@@ -129,26 +129,36 @@ size_t ia_plugin_pool_segment(void) {
   return segment < TORCH_MIN_LARGE_SEGMENT ? TORCH_MIN_LARGE_SEGMENT : segment;
 }
 
+const char *ia_plugin_pool_name(int pool) {
+  return pool >= 0 && pool < IA_POOL_COUNT ? pool_names[pool] : NULL;
+}
+
+ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
+  if (!o || pool < 0 || pool >= IA_POOL_COUNT) return IA_ERR_INVALID_ARGUMENT;
+  ia_arena_default_options(o);
+  if (pool == IA_POOL_WORKSPACE) {
+    o->capacity = plugin.config.scope == IA_SCOPE_WORKSPACE ? ia_plugin_pool_segment() + TORCH_SMALL_SEGMENT
+                                                            : plugin.config.budget;
+    o->alignment = plugin.config.alignment;
+  } else {
+    o->growable = true;
+    o->alignment = 512;
+    o->region_round = 2 * MiB;
+    o->region_min = pool == IA_POOL_SMALL ? 2 * MiB : 20 * MiB;
+    o->region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * MiB;
+    o->thread_cache = pool == IA_POOL_SMALL ? SMALL_THREAD_CACHE : LARGE_THREAD_CACHE;
+    o->thread_cache_block = pool == IA_POOL_SMALL ? SMALL_REQUEST : LARGE_THREAD_CACHE_BLOCK;
+  }
+  return IA_OK;
+}
+
 static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
   device_slot_t *slot = &plugin.devices[device];
   ia_totals_t *totals = &slot->totals;
   bool mapped = pool != IA_POOL_WORKSPACE && slot->expandable;
   ia_arena_options_t o;
-  ia_arena_default_options(&o);
-  if (pool == IA_POOL_WORKSPACE) {
-    o.capacity = plugin.config.scope == IA_SCOPE_WORKSPACE ? ia_plugin_pool_segment() + TORCH_SMALL_SEGMENT
-                                                           : plugin.config.budget;
-    o.alignment = plugin.config.alignment;
-  } else {
-    o.growable = true;
-    o.alignment = 512;
-    o.region_round = 2 * MiB;
-    o.region_min = pool == IA_POOL_SMALL ? 2 * MiB : 20 * MiB;
-    o.region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * MiB;
-    o.thread_cache = pool == IA_POOL_SMALL ? SMALL_THREAD_CACHE : LARGE_THREAD_CACHE;
-    o.thread_cache_block = pool == IA_POOL_SMALL ? SMALL_REQUEST : LARGE_THREAD_CACHE_BLOCK;
-    o.address_range = mapped ? slot->address_range : 0;
-  }
+  ia_plugin_pool_options(pool, &o);
+  if (mapped) o.address_range = slot->address_range;
   ia_backend_t *backend;
   ia_status_t st = make_backend(device, unified, mapped, &backend);
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);

@@ -12,7 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cli(*args, env=None, **kw):
-    return subprocess.run([sys.executable, "-m", "alloc", *args], capture_output=True, text=True, cwd=ROOT,
+    module = "arena_tools" if args and args[0] in ("fit", "report", "replay") else "alloc"
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **(env or {})}, timeout=300, **kw)
 
 
@@ -41,6 +42,26 @@ def test_a_reader_that_went_away_is_no_error():
     finally:
         os.close(write_end)
     assert done.returncode == 0 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", ["fit", "report", "replay"])
+def test_a_tool_asked_of_the_runtime_names_its_new_command(command):
+    done = subprocess.run([sys.executable, "-m", "alloc", command, "x"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert f"python -m arena_tools {command}" in done.stderr
+
+
+def test_the_tools_command_line_offers_the_runtime_commands():
+    done = cli_tools("keys")
+    assert done.returncode == 0 and "budget_mb" in done.stdout, done.stderr
+    done = cli_tools("keys", "--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m arena_tools keys")
+
+
+def cli_tools(*args):
+    return subprocess.run([sys.executable, "-m", "arena_tools", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
 
 
 def test_an_unknown_command_is_one_line_and_exit_two():
@@ -103,7 +124,7 @@ def test_fit_refuses_an_infinite_memory():
 
 @pytest.mark.parametrize("columns", [80, 110])
 def test_tables_fit_the_terminal(tmp_path, monkeypatch, capsys, columns):
-    from alloc import replay, report
+    from arena_tools import replay, report
     trace = tmp_path / "trace.csv"
     trace.write_text(CSV)
     monkeypatch.setenv("COLUMNS", str(columns))

@@ -122,3 +122,22 @@ def test_numbers_in_other_spellings_are_refused(text):
     with pytest.raises(ConfigError, match="digits 0-9"):
         parse(f"budget_mb:{text}")
     assert set(KEYS) >= set(INT_KEYS)
+
+
+def test_config_defaults_are_the_key_table():
+    import dataclasses
+
+    from alloc.config import KEYS
+    fields = dataclasses.fields(Config)
+    assert [f.name for f in fields] == list(KEYS)
+    assert {f.name: f.default for f in fields} == {k.name: k.default for k in KEYS.values()}
+
+
+def test_readme_configuration_table_is_the_key_table():
+    import pathlib
+
+    from alloc.config import markdown_keys
+    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    start = readme.index("| key | default | meaning |")
+    end = readme.find("\n\n", start)
+    assert readme[start:end if end >= 0 else None].rstrip("\n") == markdown_keys()

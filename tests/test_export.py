@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from alloc import export
-from alloc.export import DAY_NS, TraceFormatError
-from alloc.report import collect
+from arena_tools import export
+from arena_tools.export import DAY_NS, TraceFormatError
+from arena_tools.arena_report import collect
 from alloc.trace import Trace
 from trace_workload import BUDGET, record
 

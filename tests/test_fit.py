@@ -1,4 +1,4 @@
-"""The caching-allocator model (alloc.torch_model) and the pre-launch fit check (alloc.fit)."""
+"""The caching-allocator model (arena_tools.torch_model) and the pre-launch fit check (arena_tools.fit)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from alloc.fit import SEED, Alloc, Free, fit, logits_width, main, replay, seed_workload
-from alloc.torch_model import (LARGE_BUFFER, SMALL_SIZE, CachingAllocatorModel, ModelOutOfMemory,
+from arena_tools.fit import SEED, Alloc, Free, fit, logits_width, main, replay, seed_workload
+from arena_tools.torch_model import (LARGE_BUFFER, SMALL_SIZE, CachingAllocatorModel, ModelOutOfMemory,
                                allocation_size, round_size, roundup_power2_next_division)
 
 MiB = 1 << 20
@@ -518,7 +518,7 @@ def test_the_budget_comes_from_the_configuration_unless_given(monkeypatch, capsy
 
 
 def test_main_through_python_c():
-    code = ("import sys; from alloc.fit import main; "
+    code = ("import sys; from arena_tools.fit import main; "
             "sys.exit(main(['--available-mb', '8192', '--topk', '0']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
@@ -529,5 +529,5 @@ def test_main_through_python_c():
 def test_docstring_examples():
     import doctest
 
-    import alloc.torch_model
-    assert doctest.testmod(alloc.torch_model).failed == 0
+    import arena_tools.torch_model
+    assert doctest.testmod(arena_tools.torch_model).failed == 0

@@ -350,7 +350,7 @@ def test_the_memory_report_lists_graph_pools_apart(tmp_path):
     path = tmp_path / "report.json"
     run(f"""
 import json
-from alloc import report
+from arena_tools import report
 eager = alloc(3 * MiB, 60)
 p = pool(11)
 capture(p, 61, 1)

@@ -682,7 +682,7 @@ def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
     """Maps are traced as reserves and unmaps as releases, so a snapshot made from the trace alone
     covers exactly the mapped stretches (a stretch grown by several maps shows as adjacent
     segments)."""
-    from alloc.export import segments_from_events
+    from arena_tools.export import segments_from_events
     from alloc.trace import Trace
     trace = Trace(1024)
     with mapped() as a:

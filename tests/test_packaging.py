@@ -54,6 +54,6 @@ def test_the_wheel_carries_the_shim_sources_and_builds_them_outside_the_checkout
 def test_the_installed_command_line_runs(installed):
     done = run_installed(installed, "-m", "alloc", "keys")
     assert done.returncode == 0 and "budget_mb" in done.stdout, done.stderr
-    done = run_installed(installed, "-m", "alloc", "fit", "--prompt-tokens", "20000", "--chunk-tokens", "3200",
+    done = run_installed(installed, "-m", "arena_tools", "fit", "--prompt-tokens", "20000", "--chunk-tokens", "3200",
                          "--budget-mb", "64", "--available-mb", "4096")
     assert done.returncode in (0, 1) and "Traceback" not in done.stderr, done.stdout + done.stderr

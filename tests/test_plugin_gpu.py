@@ -295,7 +295,7 @@ alloc.install(alloc.Config(budget_mb=512, unified="on", host_headroom_mb=0, memi
 torch.cuda.init()  # the arenas are reserved at the first allocation, after this baseline
 free0 = torch.cuda.mem_get_info()[0]
 update()
-from alloc.fit import seed_workload
+from arena_tools.fit import seed_workload
 for plan in seed_workload(254_000, 3_200, 4, 512 << 20, topk=0):
     for rows in plan.pieces:
         with alloc.workspace():

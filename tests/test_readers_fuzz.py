@@ -1,5 +1,5 @@
 """Malformed files of every kind the readers take (JSON reports, snapshot pickles, CSV traces),
-generated: `python -m alloc report FILE` either renders them or says in one line what is wrong,
+generated: `python -m arena_tools report FILE` either renders them or says in one line what is wrong,
 with exit status 2. Nothing else may come out: no traceback, no RecursionError, no OverflowError.
 FUZZ_EXAMPLES=N raises the number of files tried per kind (150 by default)."""
 
@@ -9,8 +9,8 @@ import pickle
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from alloc import report
-from alloc.export import RMM_COLUMNS, EXTRA_COLUMNS
+from arena_tools import report
+from arena_tools.export import RMM_COLUMNS, EXTRA_COLUMNS
 
 NUMBERS = st.one_of(st.integers(-(1 << 70), 1 << 70), st.sampled_from([0, 1, 2**63, 2**64, -1]),
                     st.floats(allow_nan=True, allow_infinity=True))

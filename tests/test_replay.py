@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from alloc import export, replay
-from alloc.export import TraceFile
-from alloc.replay import ALLOC, FAIL, FREE, LARGE, SMALL, WORKSPACE
-from alloc.report import collect
+from arena_tools import allocators, export, gpu_replay, host_replay, replay
+from arena_tools.arena_report import collect
+from arena_tools.export import TraceFile
+from arena_tools.plan import ALLOC, FAIL, FREE, LARGE, SMALL, WORKSPACE, compile_trace, run_ops
 from alloc.trace import Event
 from trace_workload import BUDGET, MiB, record
 
@@ -43,7 +43,7 @@ def _layout(report: dict) -> dict:
 @pytest.mark.parametrize("source", ["csv", "snapshot"])
 def test_host_replay_reproduces_peak_and_fragmentation(rec, files, source):
     trace = export.load_trace(files[source])
-    result = replay.replay_host(trace, budget=BUDGET, keep_report=True)
+    result = host_replay.replay_host(trace, budget=BUDGET, keep_report=True)
     ws, large = rec.arenas[(0, "workspace")].stats(), rec.arenas[(0, "large")].stats()
     assert result["budget"] == BUDGET
     assert result["failures"] == result["trace_failures"] == rec.failures > 0
@@ -65,7 +65,7 @@ def test_replay_on_a_smaller_budget_fails_more(rec, files):
     trace = export.load_trace(files["csv"])
     assert trace.budget is None  # a CSV does not say; the snapshot does
     assert export.load_trace(files["snapshot"]).budget == BUDGET
-    result = replay.replay_host(trace, budget=BUDGET // 4)
+    result = host_replay.replay_host(trace, budget=BUDGET // 4)
     assert result["failures"] > rec.failures and result["budget"] == BUDGET // 4
 
 
@@ -73,15 +73,15 @@ def test_rmm_log_replays_on_the_general_pools(rec, tmp_path):
     path = tmp_path / "rmm.csv"
     export.write_csv(rec.events, path, extended=False)
     trace = export.load_trace(path)
-    plan = replay.compile_trace(trace)
+    plan = compile_trace(trace)
     assert set(plan.pools) == {"small", "large"}
     for kind, _slot, size, _d, pool, _s in plan.ops:
         assert pool == (SMALL if size <= 1 << 20 else LARGE)
-    result = replay.replay_host(trace, plan=plan)
+    result = host_replay.replay_host(trace, plan=plan)
     # without pools every request goes to the growable general arenas: the recorded failures (the
     # workspace's budget overflowing) now succeed, and are freed at once
     assert result["failures"] == 0 and result["unexpected_successes"] == plan.trace_failures
-    workspace_all = replay.compile_trace(trace, workspace_all=True)
+    workspace_all = compile_trace(trace, workspace_all=True)
     assert set(workspace_all.pools) == {"workspace"}
 
 
@@ -101,7 +101,7 @@ def test_compile_and_run_ops_with_a_fake_allocator():
                    ("alloc", 0x100, 2000, 0, "workspace"),
                    ("free", 0x200, 3 << 20, 5, "general"),
                    ("reserve", 0x1000, 1 << 21, 0, "small"))
-    plan = replay.compile_trace(trace)
+    plan = compile_trace(trace)
     assert [op[0] for op in plan.ops] == [ALLOC, ALLOC, ALLOC, FREE, FAIL, FAIL, ALLOC, FREE]
     assert [op[4] for op in plan.ops] == [WORKSPACE, LARGE, SMALL, WORKSPACE, WORKSPACE, WORKSPACE,
                                           WORKSPACE, LARGE]
@@ -122,7 +122,7 @@ def test_compile_and_run_ops_with_a_fake_allocator():
         log.append(("free", live.pop(handle), stream))
 
     pools, samples = [], []
-    result = replay.run_ops(plan, allocate, free, set_pool=pools.append,
+    result = run_ops(plan, allocate, free, set_pool=pools.append,
                             sample=lambda: samples.append(sum(live.values())), sample_every=1000,
                             sample_bytes=1 << 30)
     assert log == [("alloc", 1000, WORKSPACE, 0), ("alloc", 3 << 20, LARGE, 5), ("alloc", 64, SMALL, 0),
@@ -171,14 +171,14 @@ def test_gpu_allocators_need_cuda(files, capsys):
                                         ("cuda-async", "backend:cudaMallocAsync"), ("arena", None)])
 def test_worker_command_chooses_the_allocator_before_torch_loads(name, conf, monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.5")
-    cmd, env = replay.worker_command(name, "/t.csv", "/r.json", device=1, budget_mb=512, sample_every=64,
+    cmd, env = gpu_replay.worker_command(name, "/t.csv", "/r.json", device=1, budget_mb=512, sample_every=64,
                                      sample_bytes=1 << 21, allow_unknown_frees=True, workspace_all=False)
     assert env.get("PYTORCH_CUDA_ALLOC_CONF") == conf
-    assert cmd[1:4] == ["-m", "alloc", "replay"] and cmd[4] == "/t.csv"
+    assert cmd[1:4] == ["-m", "arena_tools", "replay"] and cmd[4] == "/t.csv"
     assert cmd[cmd.index("--worker") + 1] == name and cmd[cmd.index("--device") + 1] == "1"
     assert cmd[cmd.index("--budget-mb") + 1] == "512" and "--allow-unknown-frees" in cmd
     with pytest.raises(ValueError, match="not a GPU allocator"):
-        replay.worker_command("host", "/t.csv", "/r.json", device=0, budget_mb=512, sample_every=64,
+        gpu_replay.worker_command("host", "/t.csv", "/r.json", device=0, budget_mb=512, sample_every=64,
                               sample_bytes=1, allow_unknown_frees=False, workspace_all=False)
 
 
@@ -268,14 +268,14 @@ def test_gpu_worker_against_a_fake_torch(name, tmp_path, monkeypatch):
     fake = _FakeTorch()
     monkeypatch.setitem(sys.modules, "torch", fake)
     installed = []
-    monkeypatch.setattr(alloc, "install", installed.append)
+    monkeypatch.setattr(alloc, "install", lambda config, scope: installed.append(config))
     monkeypatch.setattr(alloc, "max_memory_reserved", lambda d: 512 << 20)
     monkeypatch.setattr(alloc, "max_memory_allocated", lambda d: 150 << 20)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", replay.ALLOCATORS[name] or "")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", allocators.ALLOCATORS[name].alloc_conf or "")
     result_path = tmp_path / "result.json"
     args = replay.build_parser().parse_args([str(path), "--worker", name, "--result", str(result_path),
                                              "--budget-mb", "512", "--sample-every", "1"])
-    assert replay.gpu_worker(args) == 0
+    assert gpu_replay.gpu_worker(args) == 0
     r = json.loads(result_path.read_text())
     allocs = [c for c in fake.calls if c[0] == "alloc"]
     assert [(c[1], c[3] if name == "arena" else None) for c in allocs] == \
@@ -301,9 +301,9 @@ def test_worker_failures_become_error_rows(files):
     if torch.cuda.is_available():
         pytest.skip("CUDA is here: the worker would succeed")
     args = replay.build_parser().parse_args([str(files["csv"])])
-    row = replay.run_worker("default", str(files["csv"]), args, None, 512)
+    row = gpu_replay.run_worker("default", str(files["csv"]), args, None, 512)
     assert row["allocator"] == "default" and row["error"].startswith("exit status 1")
     assert "CUDA" in row["error"]
     args = replay.build_parser().parse_args([str(files["csv"]), "--timeout", "0.05"])
-    row = replay.run_worker("expandable", str(files["csv"]), args, None, 512)
+    row = gpu_replay.run_worker("expandable", str(files["csv"]), args, None, 512)
     assert row["error"].startswith("timed out")

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 
 from alloc import Arena, ArenaError
-from alloc import export, report
+from arena_tools import arena_report, export, report
 from alloc.arena import STAT_NAMES
 from trace_workload import BUDGET, MiB, record
 
@@ -41,7 +41,7 @@ def c_report_text(rep: dict) -> str:
 
 
 def test_summary_agrees_with_arena_stats(rec):
-    summary = report.summarize(report.collect(rec.arenas))
+    summary = report.summarize(arena_report.collect(rec.arenas))
     assert [(s["device"], s["pool"]) for s in summary] == [(0, "workspace"), (0, "large")]
     for s in summary:
         stats = rec.arenas[(s["device"], s["pool"])].stats()
@@ -59,7 +59,7 @@ def test_summary_agrees_with_arena_stats(rec):
 
 
 def test_collect_has_the_c_reports_shape(rec):
-    rep = report.collect(rec.arenas)
+    rep = arena_report.collect(rec.arenas)
     assert rep["format"] == "indexer-arena-report-1" and rep["budget"] == BUDGET
     assert [d["device"] for d in rep["devices"]] == [0] and rep["devices"][0]["unified"] is False
     for pool in rep["devices"][0]["pools"]:
@@ -70,9 +70,9 @@ def test_collect_has_the_c_reports_shape(rec):
     assert json.loads(json.dumps(rep)) == rep
     # the same structure, keyed by pool alone, or from (device, pool, arena) triples
     ws = rec.arenas[(0, "workspace")]
-    assert report.collect({"workspace": ws})["devices"][0]["pools"][0]["blocks"] == \
+    assert arena_report.collect({"workspace": ws})["devices"][0]["pools"][0]["blocks"] == \
         rep["devices"][0]["pools"][0]["blocks"]
-    assert report.collect([(2, "workspace", ws)], unified={2: True})["devices"][0] \
+    assert arena_report.collect([(2, "workspace", ws)], unified={2: True})["devices"][0] \
         | {"pools": None} == {"device": 2, "unified": True, "pools": None}
 
 
@@ -81,7 +81,7 @@ def test_histogram_and_holders_of_a_known_layout():
         ptrs = [a.allocate(s) for s in (4 * KiB, 3 * KiB, 1000, 256, 300 * KiB, 64)]
         a.free(ptrs[1])
         a.free(ptrs[3])  # free blocks: 3 KiB, 256 B and the tail
-        rep = report.collect({"workspace": a})
+        rep = arena_report.collect({"workspace": a})
         s, = report.summarize(rep, top=2)
         tail = MiB - (4 * KiB + 3 * KiB + 1024 + 256 + 300 * KiB + 256)
         assert s["free_histogram"] == [
@@ -94,7 +94,7 @@ def test_histogram_and_holders_of_a_known_layout():
 
 
 def test_report_reads_the_c_out_of_memory_report(rec, tmp_path, capsys):
-    rep = report.collect(rec.arenas)
+    rep = arena_report.collect(rec.arenas)
     path = tmp_path / "oom.json"
     path.write_text(c_report_text(rep))
     out_json, png, txt = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.txt"
@@ -120,9 +120,9 @@ def test_report_reads_the_c_out_of_memory_report(rec, tmp_path, capsys):
 
 def test_report_of_a_snapshot_and_of_a_csv_trace(rec, tmp_path, capsys):
     expected = [(s["pool"], s["capacity"], s["in_use"], s["free"], s["largest_free"], s["free_blocks"])
-                for s in report.summarize(report.collect(rec.arenas))]
+                for s in report.summarize(arena_report.collect(rec.arenas))]
     snap, csv = tmp_path / "s.pickle", tmp_path / "t.csv"
-    export.write_snapshot(export.to_snapshot(report.collect(rec.arenas), rec.events), snap)
+    export.write_snapshot(export.to_snapshot(arena_report.collect(rec.arenas), rec.events), snap)
     export.write_csv(rec.events, csv)
     for source, extra in ((snap, []), (csv, ["--budget-mb", str(BUDGET >> 20)])):
         assert report.main([str(source), "--json", "-", *extra]) == 0
@@ -137,7 +137,7 @@ def test_report_of_a_snapshot_and_of_a_csv_trace(rec, tmp_path, capsys):
 
 
 def test_timeline_follows_the_events(rec):
-    tl = report.timeline(rec.events, report.collect(rec.arenas))
+    tl = report.timeline(rec.events, arena_report.collect(rec.arenas))
     live = {}
     for e in rec.events:
         if e.action == "alloc":
@@ -169,7 +169,7 @@ def test_report_errors_name_the_file(tmp_path, capsys, content, words):
 
 def test_live_report_needs_the_installed_allocator(tmp_path):
     with pytest.raises(ArenaError, match="alloc.install"):
-        report.live_report()
+        arena_report.live_report()
     with pytest.raises(ArenaError, match="alloc.install"):
         report.save_live(tmp_path)
 

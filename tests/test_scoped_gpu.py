@@ -15,7 +15,7 @@ def test_seed_workload_stays_flat_at_the_budget_with_one_reservation():
 alloc.install(alloc.Config(budget_mb=512), scope="workspace")
 torch.cuda.init()
 free0 = torch.cuda.mem_get_info()[0]
-from alloc.fit import seed_workload
+from arena_tools.fit import seed_workload
 taken, pieces = [], 0
 plans = len(list(seed_workload(254_000, 3_200, 4, 512 << 20, topk=0)))
 g = torch.Generator(device="cuda").manual_seed(7)

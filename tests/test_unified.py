@@ -4,9 +4,9 @@ the guard in front of the host backend, and the seed workload against a shrinkin
 import pytest
 
 from alloc import Arena, ArenaOutOfMemory, BackendError, HostGuard
-from alloc.fit import fit, replay, seed_workload
+from arena_tools.fit import fit, replay, seed_workload
 from alloc.hostmem import read
-from alloc.torch_model import CachingAllocatorModel, ModelOutOfMemory
+from arena_tools.torch_model import CachingAllocatorModel, ModelOutOfMemory
 from alloc.unified import is_unified
 
 MiB, GiB = 1 << 20, 1 << 30

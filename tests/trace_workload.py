@@ -1,7 +1,7 @@
 """A recorded trace on host-backed arenas, shared by the export, report and replay tests.
 
 The workspace arena is fixed; the general arena is the one the host replay builds for the "large"
-pool (alloc.replay.host_arena), attached to the trace before its first region, so that a replay
+pool (arena_tools.host_replay.host_arena), attached to the trace before its first region, so that a replay
 must reproduce both exactly.
 """
 
@@ -11,7 +11,8 @@ import random
 from dataclasses import dataclass
 
 from alloc import Arena, ArenaOutOfMemory
-from alloc.replay import LARGE, host_arena
+from arena_tools.host_replay import host_arena
+from arena_tools.plan import LARGE
 from alloc.trace import Event, Trace
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -39,10 +39,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
+from arena_tools.allocators import ALLOCATORS as TABLE
+from arena_tools.allocators import install as install_allocator
+
 __all__ = ["ALLOCATORS", "MULTICAST_OFF", "LaunchError", "RankEnv", "MemoryMark", "RankContext",
            "context", "init_rank", "spawn", "main"]
 
-ALLOCATORS = ("arena", "default", "none")
+# Of the allocators compared (arena_tools.allocators) the ranks take the arena or PyTorch's as it
+# ships, whatever PYTORCH_CUDA_ALLOC_CONF the caller set; "none" runs them on the CPU.
+ALLOCATORS = (*(TABLE[name].name for name in ("arena", "default")), "none")
 
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
@@ -245,9 +250,8 @@ def init_rank(allocator: str = "arena", backend: str | None = None, *,
     _check_allocator(allocator, None)
     import torch
     import torch.distributed as dist
-    if allocator == "arena":
-        import alloc
-        alloc.install()  # raises InstallError if CUDA was initialised before this point
+    if allocator != "none":
+        install_allocator(allocator)  # raises InstallError if CUDA was initialised before this point
     if allocator != "none":
         if env.local_rank >= torch.cuda.device_count():
             raise LaunchError(f"local rank {env.local_rank} has no GPU: torch sees "

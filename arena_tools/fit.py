@@ -40,13 +40,16 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError
+from alloc.errors import ConfigError
+from alloc.units import MiB
+
+from .allocators import ALLOCATORS as TABLE
 from .paths import unwritable
 from .torch_model import CachingAllocatorModel, ModelOutOfMemory
-from .units import MiB
 
 LOGITS, TOPK, BOUNDS = "logits", "topk", "bounds"
-ALLOCATORS = ("default", "arena")
+ALLOCATORS = tuple(TABLE[n].name for n in ("default", "arena"))
+"""The allocators the check models: PyTorch's caching allocator as it ships, and the arena."""
 
 SEED = dict(max_model_len=262_144, chunk_tokens=3_200, compress_ratio=4, budget_mb=512,
             prompt_tokens=254_000)
@@ -260,7 +263,7 @@ class FitReport:
 
 def _available_from_host() -> tuple[int, str]:
     try:
-        from .hostmem import available_bytes
+        from alloc.hostmem import available_bytes
     except ImportError as e:
         raise RuntimeError("cannot read this machine's available memory (alloc.hostmem: "
                            f"{e}); pass available_bytes (--available-mb)") from None
@@ -409,7 +412,7 @@ def write_plot(report: FitReport, path: str) -> None:
 # -- command line -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m alloc fit",
+        prog="python -m arena_tools fit",
         description="Pre-launch fit check of the indexer's chunked prefill: per chunk, the logits "
                     "piece, what PyTorch's default caching allocator would hold, what the arena "
                     "holds, and where the default would cross the available memory. Exit status: "
@@ -440,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse exits 0 for --help and 2 for its own errors
         return 0 if e.code in (0, None) else 2
     if args.budget_mb is None:
-        from .config import from_env
+        from alloc.config import from_env
         try:
             args.budget_mb = from_env().budget_mb
         except ConfigError as e:

@@ -8,18 +8,18 @@ One structure serves everything, the one the C core writes on out-of-memory (``o
                              "stats": {<every ia_stats_t field>},
                              "blocks": [[region_base, offset, size, requested, used, stream], ...]}]}]}
 
-``collect()`` builds it from any ``alloc.Arena`` objects (the installed allocator's views, or
-host-backed arenas); ``live_report()`` does so for the installed allocator, and ``save_live(DIR)``
+``arena_report.collect()`` builds it from any ``alloc.Arena`` objects (the installed allocator's views, or
+host-backed arenas); ``arena_report.live_report()`` does so for the installed allocator, and ``save_live(DIR)``
 writes that report (text, JSON, PNG) with the allocator's trace (CSV, snapshot) for a running
 process. ``summarize()`` turns it
 into per-arena numbers (capacity, in use, free, largest free block, fragmentation, a histogram of
 free block sizes, the largest live blocks), which ``render_text()``, ``to_json()`` and
 ``write_png()`` present.
 
-    python -m alloc report SOURCE [--json OUT|-] [--png OUT] [--text OUT] [--top N]
+    python -m arena_tools report SOURCE [--json OUT|-] [--png OUT] [--text OUT] [--top N]
 
 SOURCE is a JSON report (the out-of-memory report, or ``--json`` output), a snapshot pickle
-(``alloc.export``; PyTorch's own snapshots too) or a CSV trace, whose final state is rebuilt by
+(``arena_tools.export``; PyTorch's own snapshots too) or a CSV trace, whose final state is rebuilt by
 replaying it on the host-backed arena.
 """
 
@@ -30,85 +30,31 @@ import io
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
-from .arena import STAT_NAMES, Arena
-from .errors import ArenaError
-from .plugin import POOLS
-from .trace import Event
-from .units import fmt_bytes, is_count, output_width
+from alloc.errors import ArenaError
+from alloc.records import Event
+from alloc.units import fmt_bytes, is_count, output_width
 
-REPORT_FORMAT = "indexer-arena-report-1"
-MAX_DEVICES = 64  # the C core's per-device table (csrc/plugin.c)
+from .arena_report import REPORT_FORMAT, live_report, pool_order
 
 
 class ReportError(ValueError):
     """A report file that cannot be read; the message names the file."""
 
 
-# -- building the structure ---------------------------------------------------------------------------
-def arena_blocks(arena: Arena) -> list[list[int]]:
-    """The arena's blocks in the report's form: [region_base, offset, size, requested, used, stream]."""
-    return [[b.address - b.offset, b.offset, b.size, b.requested, 1 if b.state == "used" else 0, b.stream]
-            for b in arena.blocks()]
-
-
-def _pool_order(pool: str) -> tuple[int, str]:
-    return (POOLS.index(pool), "") if pool in POOLS else (len(POOLS), pool)
-
-
-def collect(arenas: Mapping | Iterable, *, budget: int | None = None,
-            unified: bool | Mapping[int, bool] = False) -> dict:
-    """The report of some arenas. ``arenas`` maps ``(device, pool)`` or ``pool`` (device 0, or the
-    arena's own device) to ``alloc.Arena`` objects, or is an iterable of (device, pool, arena).
-    ``budget`` defaults to the capacity of the first workspace arena."""
-    items = []
-    pairs = arenas.items() if isinstance(arenas, Mapping) else ((k[:2], k[2]) for k in arenas)
-    for key, arena in pairs:
-        if arena is None:
-            continue
-        if isinstance(key, tuple):
-            device, pool = key
-        else:
-            device, pool = (arena.device if arena.device is not None else 0), key
-        items.append((int(device), str(pool), arena))
-    devices: dict[int, list[dict]] = {}
-    for device, pool, arena in sorted(items, key=lambda t: (t[0], _pool_order(t[1]))):
-        devices.setdefault(device, []).append(
-            {"pool": pool, "stats": arena.stats(), "blocks": arena_blocks(arena)})
-    if budget is None:
-        budget = next((p["stats"]["capacity"] for pools in devices.values() for p in pools
-                       if p["pool"] == "workspace"), 0)
-
-    def is_unified(d: int) -> bool:
-        return bool(unified.get(d, False)) if isinstance(unified, Mapping) else bool(unified)
-
-    return {"format": REPORT_FORMAT, "budget": int(budget),
-            "devices": [{"device": d, "unified": is_unified(d), "pools": pools}
-                        for d, pools in sorted(devices.items())]}
-
-
-def live_report() -> dict:
-    """The report of the installed allocator, every device that has its arenas (the same structure
-    as the out-of-memory report). Blocks and statistics are read arena by arena, each under its
-    arena's lock, so allocations made meanwhile by other threads may make them differ slightly."""
-    from .plugin import device_arena, device_is_unified, installed_config, is_installed
-    if not is_installed():
-        raise ArenaError("live_report() reads the installed allocator: call alloc.install() first, "
-                         "or pass the arenas to alloc.report.collect()")
-    arenas, unified = {}, {}
-    for device in range(MAX_DEVICES):
-        if device_arena(device, "workspace") is None:
-            continue
-        for pool in POOLS:
-            arenas[(device, pool)] = device_arena(device, pool)
-        unified[device] = device_is_unified(device)
-    return collect(arenas, budget=installed_config().budget_bytes, unified=unified)
-
-
+# -- reading the structure ---------------------------------------------------------------------------
 def stats_from_blocks(blocks: Sequence[Sequence[int]]) -> dict:
-    """Every ia_stats_t field, those the blocks determine filled in, the counters and peaks 0."""
-    stats = dict.fromkeys(STAT_NAMES, 0)
+    """Every ia_stats_t field, those the blocks determine filled in, the counters and peaks 0
+    (the field names come from the compiled core)."""
+    from alloc.arena import STAT_NAMES
+    return {**dict.fromkeys(STAT_NAMES, 0), **block_stats(blocks)}
+
+
+def block_stats(blocks: Sequence[Sequence[int]]) -> dict:
+    """The statistics the blocks determine, under the ia_stats_t field names; the peaks are the
+    current values."""
+    stats = {}
     free = [b[2] for b in blocks if not b[4]]
     used = [b for b in blocks if b[4]]
     stats.update(capacity=sum(b[2] for b in blocks), regions=len({b[0] for b in blocks}),
@@ -145,7 +91,7 @@ def report_from_snapshot(snapshot: dict) -> dict:
             "devices": [{"device": d, "unified": bool(unified.get(d, False)),
                          "pools": [{"pool": p, "stats": recorded.get((d, p)) or stats_from_blocks(b),
                                     "blocks": b}
-                                   for p, b in sorted(pools.items(), key=lambda kv: _pool_order(kv[0]))]}
+                                   for p, b in sorted(pools.items(), key=lambda kv: pool_order(kv[0]))]}
                         for d, pools in sorted(devices.items())]}
 
 
@@ -186,7 +132,7 @@ def check_report(report: object, path: str = "<report>") -> dict:
             for name, value in stats.items():
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 \
                     if name == "fragmentation" else is_count(value)
-                if name in STAT_NAMES and not ok:
+                if not ok:  # the C core writes counts, and fragmentation as a fraction
                     raise bad(f"{where}.stats.{name}: expected "
                               f"{'a fraction from 0 to 1' if name == 'fragmentation' else 'a count from 0 to 2**64 - 1'}, "
                               f"found {value!r}")
@@ -225,7 +171,7 @@ def summarize(report: dict, *, top: int = 10, events: Sequence[Event] | None = N
     for dev in report["devices"]:
         for pool in dev["pools"]:
             blocks = pool["blocks"]
-            s = stats_from_blocks(blocks)
+            s = block_stats(blocks)
             used = sorted((b for b in blocks if b[4]), key=lambda b: (-b[2], b[0] + b[1]))
             holders = []
             for base, offset, size, requested, _used, stream in used[:top]:
@@ -293,7 +239,7 @@ def timeline(events: Sequence[Event], report: dict | None = None, *, max_points:
 
 # -- presenting --------------------------------------------------------------------------------------
 def to_json(report: dict, summary: list[dict], tl: dict | None = None, *, source: str | None = None) -> dict:
-    """The report itself (``python -m alloc report`` reads it back) with the summary beside it."""
+    """The report itself (``python -m arena_tools report`` reads it back) with the summary beside it."""
     out = dict(report)
     out["summary"] = summary
     if tl is not None:
@@ -432,7 +378,7 @@ def save_live(directory: str | os.PathLike, *, top: int = 10, title: str = "memo
     ``trace`` key or ``alloc.trace.tracing()``), its trace, written as ``write_outputs`` does. The
     trace is read first: events of allocations made meanwhile by other threads may be missing from
     it (quiesce the process for an exact match)."""
-    from .trace import plugin_trace
+    from alloc.trace import plugin_trace
     trace = plugin_trace()
     events, dropped = trace.events() if trace is not None else ([], 0)
     return write_outputs(directory, live_report(), events, dropped=dropped, top=top, title=title,
@@ -461,7 +407,8 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
     if kind == "snapshot":
         return check_report(report_from_snapshot(trace.snapshot), path), trace.events, [
             f"arenas from the snapshot's segments ({len(trace.snapshot['segments'])})"]
-    from .replay import replay_host, workspace_budget
+    from .host_replay import replay_host
+    from .plan import workspace_budget
     budget, why = workspace_budget(trace, budget)
     result = replay_host(trace, budget=budget, keep_report=True, progress=False)
     return result["report"], trace.events, [
@@ -470,7 +417,7 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m alloc report", description=(
+    p = argparse.ArgumentParser(prog="python -m arena_tools report", description=(
         "Memory report of a saved report, snapshot or trace: per device and arena, capacity, in use, "
         "free, largest free block, fragmentation, free-block histogram and largest live blocks."))
     p.add_argument("source", help="a JSON report (e.g. written on out-of-memory), a snapshot pickle or "
@@ -487,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from .errors import ConfigError
+    from alloc.errors import ConfigError
+
     from .export import TraceFormatError
     from .paths import unwritable
     problems = [why for flag in ("json", "png", "text") if getattr(args, flag)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from dataclasses import dataclass, field
 
-from .units import fmt_bytes
+from alloc.units import fmt_bytes
 
 MIN_BLOCK_SIZE = 512
 SMALL_SIZE = 1 << 20
@@ -85,7 +85,7 @@ def allocation_size(rounded: int) -> int:
 class ModelOutOfMemory(MemoryError):
     """The modelled allocator could not get a segment within its capacity."""
 
-    chunk: int | None = None  # set by alloc.fit.replay: the workload chunk that failed
+    chunk: int | None = None  # set by arena_tools.fit.replay: the workload chunk that failed
 
     def __init__(self, *, label: str, requested: int, segment: int, reserved: int, allocated: int,
                  capacity: int, retried: bool):

@@ -34,9 +34,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from .arena import STREAM_NONE
-from .trace import Event
-from .units import is_count
+from alloc.records import STREAM_NONE, Event
+from alloc.units import is_count
 
 RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 EXTRA_COLUMNS = ("Device", "Pool")
@@ -268,7 +267,7 @@ def _block(address: int, size: int, requested: int, used: bool) -> dict:
 
 
 def segments_from_report(report: dict) -> list[dict]:
-    """One segment per arena region, from a report (alloc.report.collect or the OOM report)."""
+    """One segment per arena region, from a report (arena_tools.arena_report.collect or the OOM report)."""
     out = []
     for dev in report.get("devices", []):
         for pool in dev.get("pools", []):
