@@ -301,8 +301,7 @@ def _fill_token_ranges(ks: np.ndarray, ke: np.ndarray, ql: np.ndarray, sl: np.nd
 # the steps of a call
 # --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Batch:
+class _Batch(NamedTuple):
     """The checked lengths of a batch: per request its new tokens, its tokens in all and its
     kv entries, and prefix sums of its tokens (``cu_q``) and kv entries (``cu_kv``), both
     ``[R + 1]``."""
@@ -356,8 +355,7 @@ def _check_arguments(q: torch.Tensor, w: torch.Tensor, query_lens, seq_lens, kv,
     return batch
 
 
-@dataclass(frozen=True)
-class _Plan:
+class _Plan(NamedTuple):
     """The pieces of a call, in order; the token rows of groups without kv (their result is
     all ``-1``); the groups of requests planned together and, per request, its group's first
     request."""
@@ -396,8 +394,7 @@ def _plan(batch: _Batch, *, workspace_size: int | None, max_logits_bytes: int) -
     return _Plan(pieces, empty_rows, [slice(a, b) for a, b in bounds], first_of_request)
 
 
-@dataclass(frozen=True)
-class _Metadata:
+class _Metadata(NamedTuple):
     """The call's int32 metadata on the device: per token the kv columns it sees (``ks``,
     ``ke``, counted from its group's first kv entry) and, for a paged kv, each group's kv
     starts (``[n + 1]`` relative to the group's first entry), keyed by its first request."""
