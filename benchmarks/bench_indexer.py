@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -85,14 +86,24 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import indexer  # noqa: E402
-from indexer import (HopperConfig, LogitsConfig, PrefillStats, TopkConfig, prefill_topk,  # noqa: E402
-                     row_stride_elems)
+from indexer import (DenseKV, HopperConfig, LogitsConfig, PrefillStats, TopkConfig,  # noqa: E402
+                     prefill_topk, row_stride_elems)
 from indexer import reference as ref  # noqa: E402
 
 from indexer import logits as logits_mod  # noqa: E402
 from indexer import topk as topk_mod  # noqa: E402
 FP8 = torch.float8_e4m3fn
 ROUNDS = 5              # rounds of the logits cases and their ceiling, timed in turn
+
+
+class PrefillCase(NamedTuple):
+    """One indexer layer's chunked prefill: a prompt in chunks, its logits budget (bytes), its
+    compress ratio and dtype."""
+    prompt: int
+    chunk: int
+    budget: int
+    ratio: int
+    dtype: torch.dtype
 
 
 class Bench:
@@ -314,115 +325,141 @@ class Bench:
                 paths=topk_mod.path_counts(path))
         self.results["topk"] = res
 
-    def prefill(self, arena_installed: bool, record: bool = True):
-        """One prefill measurement; later rounds (record False) add their wall to the first
-        round's entry and print no rows."""
-        smoke = self.smoke
-        prompt = 240 if smoke else ARGS.prompt
-        chunk = 100 if smoke else ARGS.chunk
-        budget = (16 << 10) if smoke else ARGS.budget_mb << 20
-        ratio, h, d, k = 4, self.H, self.D, self.K
-        dtype = torch.float32 if smoke else FP8
-        n_kv = prompt // ratio
+    # -- the chunked prefill --------------------------------------------------------------------
+    def prefill_case(self) -> PrefillCase:
+        if self.smoke:
+            return PrefillCase(prompt=240, chunk=100, budget=16 << 10, ratio=4,
+                               dtype=torch.float32)
+        return PrefillCase(prompt=ARGS.prompt, chunk=ARGS.chunk, budget=ARGS.budget_mb << 20,
+                           ratio=4, dtype=FP8)
+
+    def prefill_inputs(self, case: PrefillCase):
+        """q, w and the dense kv of the whole prompt."""
+        h, d, dtype = self.H, self.D, case.dtype
+        n_kv = case.prompt // case.ratio
         # q in slices: its float32 temporaries must not share a cached segment with anything
         # that stays, or empty_cache() could not give them back and the default allocator
         # would start the measured pass with gigabytes already cached.
-        q_all = torch.empty((prompt, h, d), dtype=dtype, device=self.device)
-        for r in range(0, prompt, 8192):
-            q_all[r:r + 8192] = self.randn(min(8192, prompt - r), h, d).to(dtype)
-        w_all = self.randn(prompt, h) / h ** 0.5
+        q_all = torch.empty((case.prompt, h, d), dtype=dtype, device=self.device)
+        for r in range(0, case.prompt, 8192):
+            q_all[r:r + 8192] = self.randn(min(8192, case.prompt - r), h, d).to(dtype)
+        w_all = self.randn(case.prompt, h) / h ** 0.5
         kv32 = self.randn(n_kv, d)
         row = kv32.abs().amax(1).clamp(min=1e-6) / 448.0
         kv_all = (kv32 / row[:, None]).to(dtype)
         scale_all = (row * (self.rand(n_kv) + 0.5)).float()
-        del kv32
-        out = torch.empty((chunk, k), dtype=torch.int32, device=self.device)
+        return q_all, w_all, kv_all, scale_all
+
+    def prefill_runner(self, case: PrefillCase):
+        """``(run, host_s)``: ``run(stats=None, on_piece=None)`` prefills the prompt chunk by
+        chunk, appending each call's host time to ``host_s``."""
+        q_all, w_all, kv_all, scale_all = self.prefill_inputs(case)
+        out = torch.empty((case.chunk, self.K), dtype=torch.int32, device=self.device)
         tcfg = getattr(self, "topk_config", None)
         scope = None if alloc_importable() else contextlib.nullcontext
-
         host_s = []
 
-        def run(stats=None):
-            for t0 in range(0, prompt, chunk):
-                ql = min(chunk, prompt - t0)
+        def run(stats=None, on_piece=None):
+            for t0 in range(0, case.prompt, case.chunk):
+                ql = min(case.chunk, case.prompt - t0)
                 seq = t0 + ql
                 t = time.perf_counter()
                 prefill_topk(q_all[t0:seq], w_all[t0:seq], [ql], [seq],
-                             kv=kv_all[:seq // ratio], kv_scale=scale_all[:seq // ratio], k=k,
-                             max_logits_bytes=budget, compress_ratio=ratio, out=out[:ql],
-                             stats=stats, topk_config=tcfg, workspace=scope)
+                             DenseKV(kv_all[:seq // case.ratio], scale_all[:seq // case.ratio]),
+                             k=self.K, max_logits_bytes=case.budget, compress_ratio=case.ratio,
+                             out=out[:ql], stats=stats, on_piece=on_piece, topk_config=tcfg,
+                             workspace=scope)
                 host_s.append(time.perf_counter() - t)
 
-        def sync():
-            if not smoke:
-                torch.cuda.synchronize()
+        return run, host_s
 
+    def sync(self):
+        if not self.smoke:
+            torch.cuda.synchronize()
+
+    def median_wall(self, fn):
+        walls = []
+        for _ in range(1 if self.smoke else 3):
+            self.sync()
+            t = time.perf_counter()
+            fn()
+            self.sync()
+            walls.append(time.perf_counter() - t)
+        return statistics.median(walls), walls
+
+    def kernels_alone(self, calls) -> float:
+        """The median wall of every piece's logits and top-k again, back to back into one
+        buffer, with no planning, allocation or host work between them; ``calls`` are the
+        ``(piece, logits, select)`` that ``prefill_topk`` passed its ``on_piece``."""
+        buf = torch.empty(max(p.num_rows * p.stride for p, _, _ in calls), device=self.device)
+
+        def kernels():
+            for piece, logits, select in calls:
+                m, st = piece.num_rows, piece.stride
+                view = buf[:m * st].view(m, st)[:, :piece.width]
+                logits(out=view)
+                select(view)
+
+        return self.median_wall(kernels)[0]
+
+    def prefill(self, arena_installed: bool, record: bool = True):
+        """One prefill measurement; later rounds (record False) add their wall to the first
+        round's entry and print no rows."""
+        case = self.prefill_case()
+        run, host_s = self.prefill_runner(case)
         # Memory is measured over the first pass, when an allocator meets every piece size
         # for the first time (the caching allocator grows there; later passes reuse its cache).
         # Triton compiles its specializations during that pass too; compiling takes no device
         # memory, but it makes this pass's time meaningless, so it is not timed.
-        sync()
-        reset_memory(arena_installed, smoke)
-        mem0 = memory(arena_installed, smoke)
+        self.sync()
+        reset_memory(arena_installed, self.smoke)
+        mem0 = memory(arena_installed, self.smoke)
         run()
-        sync()
-        mem1 = memory(arena_installed, smoke)
-        def median_wall(fn):
-            walls = []
-            for _ in range(1 if smoke else 3):
-                sync()
-                t = time.perf_counter()
-                fn()
-                sync()
-                walls.append(time.perf_counter() - t)
-            return statistics.median(walls), walls
-
+        self.sync()
+        mem1 = memory(arena_installed, self.smoke)
         host_s.clear()
-        wall, walls = median_wall(run)
+        wall, walls = self.median_wall(run)
         # Host time a call: planning, ks/ke, allocation and launches (the calls do not wait for
         # the GPU). Where it exceeds a call's GPU time the GPU idles.
         host_per_call = statistics.median(host_s)
-        stats = PrefillStats(calls=[])
-        sync()
+        stats, calls = PrefillStats(), []
+        self.sync()
         t = time.perf_counter()
-        run(stats)
-        sync()
+        run(stats, on_piece=lambda *call: calls.append(call))
+        self.sync()
         wall_timed = time.perf_counter() - t
-        calls = stats.calls
-        # The kernels alone: every piece's logits and top-k again, back to back into one
-        # buffer, with no planning, allocation or host work between them. The event times
-        # above split them; they cannot be subtracted from the wall, since they also count
-        # the gaps the instrumented run's own host work leaves.
-        buf = torch.empty(max(m * st for m, st, *_ in calls), device=self.device)
-
-        def kernels():
-            for m, st, width, logits, select in calls:
-                view = buf[:m * st].view(m, st)[:, :width]
-                logits(out=view)
-                select(view)
-
-        kernels_s, _ = median_wall(kernels)
-        del buf, calls
-        other = wall - kernels_s
-        tag = "prefill arena" if arena_installed else "prefill"
+        # The event times above split the kernels; they cannot be subtracted from the wall,
+        # since they also count the gaps the instrumented run's own host work leaves.
+        kernels_s = self.kernels_alone(calls)
         key = "prefill_arena" if arena_installed else "prefill"
         if not record:
             self.results[key]["round_walls_s"].append(wall)
             return
-        res = dict(prompt=prompt, chunk=chunk, compress_ratio=ratio, budget_bytes=budget,
-                   dtype=dtype_name(dtype), wall_s=wall, walls_s=walls,
-                   instrumented_wall_s=wall_timed, logits_s=stats.logits_s,
+        self.record_prefill(case, arena_installed, stats, wall=wall, walls=walls,
+                            wall_timed=wall_timed, kernels_s=kernels_s,
+                            host_per_call=host_per_call, mem0=mem0, mem1=mem1)
+
+    def record_prefill(self, case: PrefillCase, arena_installed: bool, stats: PrefillStats, *,
+                       wall, walls, wall_timed, kernels_s, host_per_call, mem0, mem1):
+        """The first round's entry in the results and its rows in the table."""
+        other = wall - kernels_s
+        tag = "prefill arena" if arena_installed else "prefill"
+        tcfg = getattr(self, "topk_config", None)
+        res = dict(prompt=case.prompt, chunk=case.chunk, compress_ratio=case.ratio,
+                   budget_bytes=case.budget, dtype=dtype_name(case.dtype), wall_s=wall,
+                   walls_s=walls, instrumented_wall_s=wall_timed, logits_s=stats.logits_s,
                    topk_s=stats.topk_s, kernels_s=kernels_s, else_s=other,
                    else_fraction=other / wall, host_per_call_s=host_per_call,
                    pieces=stats.pieces, max_piece_bytes=stats.max_piece_bytes,
                    round_walls_s=[wall],
                    # What the pieces ran: a comparison across processes means nothing unless
                    # both ran the same kernels.
-                   logits_config=repr(logits_mod.default_config(dtype, h, d,
+                   logits_config=repr(logits_mod.default_config(case.dtype, self.H, self.D,
                                                                 device=self.device.type)),
-                   topk_config=topk_name(tcfg or topk_mod.default_config(k, self.device.type)),
+                   topk_config=topk_name(tcfg or topk_mod.default_config(self.K,
+                                                                         self.device.type)),
                    arena_installed=arena_installed, memory_before=mem0, memory_after=mem1)
-        self.row(tag, f"{prompt} tokens / {chunk}: wall", wall * 1e3, "ms")
+        self.row(tag, f"{case.prompt} tokens / {case.chunk}: wall", wall * 1e3, "ms")
         self.row(tag, "logits (events)", stats.logits_s * 1e3, "ms", "of wall",
                  stats.logits_s / wall)
         self.row(tag, "top-k (events)", stats.topk_s * 1e3, "ms", "of wall", stats.topk_s / wall)
@@ -433,7 +470,7 @@ class Bench:
         self.row(tag, "host time a call (median)", host_per_call * 1e3, "ms")
         self.row(tag, f"pieces (max {stats.max_piece_bytes / 2**20:.1f} MiB)", stats.pieces,
                  "pieces")
-        if not smoke:
+        if not self.smoke:
             taken = (mem0["free"] - mem1["free"]) / 2**20
             self.row(tag, "device memory taken by the 1st pass", taken, "MiB",
                      "cudaMemGetInfo")
@@ -442,6 +479,7 @@ class Bench:
             self.row(tag, "peak reserved over the 1st pass",
                      (mem1["peak_reserved"] - mem0["reserved"]) / 2**20, "MiB")
             res["device_memory_taken_mib"] = taken
+        key = "prefill_arena" if arena_installed else "prefill"
         self.results[key] = res
 
     def compare_prefill(self):

@@ -42,7 +42,7 @@ else:
     from hypothesis import strategies as st
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from indexer import (LogitsConfig, PagedKV, PrefillStats, TopkConfig, kv_offsets,
+    from indexer import (DenseKV, LogitsConfig, PagedKV, PrefillStats, TopkConfig, kv_offsets,
                          mqa_logits, paged_mqa_logits, prefill_topk, row_stride_elems,
                          token_ranges, top_k_per_row)
     from indexer import reference as ref
@@ -496,55 +496,126 @@ else:
         t = sum(query_lens)
         nkv = sum(s // ratio for s in seq_lens)
         return (torch.randn(t, h, d, generator=g), torch.randn(t, h, generator=g),
-                torch.randn(nkv, d, generator=g), torch.rand(nkv, generator=g) + 0.5)
+                DenseKV(torch.randn(nkv, d, generator=g), torch.rand(nkv, generator=g) + 0.5))
 
-    def reference_topk(q, w, kv, kv_scale, query_lens, seq_lens, ratio, k):
+    def paged_like(dense, query_lens, seq_lens, ratio, page, seed):
+        """The same kv as ``dense``, scattered over the pages of a cache."""
+        kv_lens = [s // ratio for s in seq_lens]
+        return PagedKV(*make_paged(dense.kv, dense.scale, kv_lens, page=page, seed=seed))
+
+    def reference_topk(q, w, dense, query_lens, seq_lens, ratio, k):
         """Per request: float64 logits over its own kv, then the exact top-k check."""
         ks, ke = token_ranges(query_lens, seq_lens, ratio)
         t0 = c0 = 0
         pieces = []
         for ql, sl in zip(query_lens, seq_lens):
             rows, cols = slice(t0, t0 + ql), slice(c0, c0 + sl // ratio)
-            pieces.append((rows, ref.logits(q[rows], kv[cols], kv_scale[cols], w[rows],
+            pieces.append((rows, ref.logits(q[rows], dense.kv[cols], dense.scale[cols], w[rows],
                                             ks[rows], ke[rows])))
             t0, c0 = t0 + ql, c0 + sl // ratio
         return ks, ke, pieces
+
+    def run_prefill(q, w, query_lens, seq_lens, kv, **kw):
+        return prefill_topk(q, w, query_lens, seq_lens, kv, workspace=contextlib.nullcontext,
+                            **kw)
 
     @pytest.mark.parametrize("ratio,budget", [(1, 4 * 64 * 60), (4, 4 * 8 * 40), (2, 1 << 30)])
     def test_prefill_dense_and_paged_match_reference(ratio, budget):
         query_lens = [40, 0, 3, 64, 9]
         seq_lens = [40, 12, 83, 200, 9]
         k = 16
-        q, w, kv, kv_scale = batch(query_lens, seq_lens, ratio, 8, 32, seed=ratio)
+        q, w, dense = batch(query_lens, seq_lens, ratio, 8, 32, seed=ratio)
         stats = PrefillStats()
-        dense = prefill_topk(q, w, query_lens, seq_lens, kv=kv, kv_scale=kv_scale, k=k,
-                             max_logits_bytes=budget, compress_ratio=ratio,
-                             workspace=contextlib.nullcontext, stats=stats)
-        ks, ke, pieces = reference_topk(q, w, kv, kv_scale, query_lens, seq_lens, ratio, k)
+        got = run_prefill(q, w, query_lens, seq_lens, dense, k=k, max_logits_bytes=budget,
+                          compress_ratio=ratio, stats=stats)
+        ks, ke, pieces = reference_topk(q, w, dense, query_lens, seq_lens, ratio, k)
         for rows, want in pieces:
-            valid = ref.topk_validity(want, dense[rows], ks[rows], ke[rows], k)
+            valid = ref.topk_validity(want, got[rows], ks[rows], ke[rows], k)
             assert valid.all()
         assert stats.pieces >= 1 and stats.logits_s > 0 and stats.topk_s > 0
         single_rows = [s for s in stats.piece_shapes if s[0] == 1]
         if not single_rows:
             assert stats.max_piece_bytes <= budget
-        kv_lens = [s // ratio for s in seq_lens]
-        cache, scale, table = make_paged(kv, kv_scale, kv_lens, page=8, seed=ratio)
-        paged = prefill_topk(q, w, query_lens, seq_lens, paged=PagedKV(cache, scale, table),
-                             k=k, max_logits_bytes=budget, compress_ratio=ratio,
-                             workspace=contextlib.nullcontext)
-        assert torch.equal(paged, dense)
+        paged = run_prefill(q, w, query_lens, seq_lens,
+                            paged_like(dense, query_lens, seq_lens, ratio, page=8, seed=ratio),
+                            k=k, max_logits_bytes=budget, compress_ratio=ratio)
+        assert torch.equal(paged, got)
+
+    @settings(max_examples=6, deadline=None, derandomize=True)
+    @given(st.data())
+    def test_prefill_equals_the_reference_on_random_batches(data):
+        """Fresh random batches: the set of indices of every token is the float64 reference's
+        top-k of its request, for a dense kv and the same kv paged."""
+        r = data.draw(st.integers(1, 4), label="requests")
+        query_lens = data.draw(st.lists(st.integers(0, 24), min_size=r, max_size=r), label="ql")
+        seq_lens = [q + data.draw(st.integers(0, 90), label="past") for q in query_lens]
+        ratio = data.draw(st.sampled_from([1, 2, 4]), label="ratio")
+        k = data.draw(st.sampled_from([1, 7, 16]), label="k")
+        budget = data.draw(st.sampled_from([4 * 16 * 12, 4 * 64 * 20, 1 << 30]), label="budget")
+        page = data.draw(st.sampled_from([1, 4, 16]), label="page")
+        seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+        q, w, dense = batch(query_lens, seq_lens, ratio, 8, 32, seed=seed)
+        kw = dict(k=k, max_logits_bytes=budget, compress_ratio=ratio)
+        got = run_prefill(q, w, query_lens, seq_lens, dense, **kw)
+        ks, ke, pieces = reference_topk(q, w, dense, query_lens, seq_lens, ratio, k)
+        for rows, logits in pieces:
+            want = ref.topk(logits, ks[rows], ke[rows], k)
+            assert torch.equal(got[rows].sort(1).values, want.sort(1).values)
+        paged = paged_like(dense, query_lens, seq_lens, ratio, page, seed)
+        assert torch.equal(run_prefill(q, w, query_lens, seq_lens, paged, **kw), got)
+
+    def test_prefill_timed_and_untimed_give_the_same_indices_and_the_timer_sees_each_piece():
+        query_lens, seq_lens = [20, 7, 33], [20, 50, 90]
+        q, w, dense = batch(query_lens, seq_lens, 2, 8, 32, seed=61)
+        kw = dict(k=8, max_logits_bytes=4 * 16 * 10, compress_ratio=2)
+        plain = run_prefill(q, w, query_lens, seq_lens, dense, **kw)
+        stats, seen = PrefillStats(), []
+        timed = run_prefill(q, w, query_lens, seq_lens, dense, stats=stats,
+                            on_piece=lambda piece, *_: seen.append(piece), **kw)
+        assert torch.equal(timed, plain)
+        assert stats.pieces == len(seen) > 3
+        assert stats.piece_shapes == [(p.num_rows, p.width) for p in seen]
+        assert stats.max_piece_bytes == max(p.num_rows * p.stride * 4 for p in seen)
+        assert stats.logits_s > 0 and stats.topk_s > 0
+
+    def test_prefill_calls_on_piece_once_per_piece_with_its_bounds_and_kernels():
+        # request 1 has no kv (seq_len < ratio): its rows are -1 and belong to no piece
+        query_lens, seq_lens = [30, 1, 12, 25], [30, 1, 70, 25]
+        ratio, k, budget = 2, 8, 4 * 16 * 9
+        q, w, dense = batch(query_lens, seq_lens, ratio, 8, 32, seed=71)
+        for kv in (dense, paged_like(dense, query_lens, seq_lens, ratio, page=4, seed=72)):
+            calls = []
+            out = run_prefill(q, w, query_lens, seq_lens, kv, k=k, max_logits_bytes=budget,
+                              compress_ratio=ratio, on_piece=lambda *call: calls.append(call))
+            pieces = [piece for piece, _, _ in calls]
+            # in order, disjoint, covering every token of a request with kv
+            covered = [t for p in pieces for t in range(p.rows.start, p.rows.stop)]
+            assert covered == [t for t in range(sum(query_lens)) if t != 30]
+            assert (out[30] == -1).all()
+            cu_kv = [0, 15, 15, 50, 62]
+            for p in pieces:
+                assert p.cols == slice(cu_kv[p.requests.start], cu_kv[p.requests.stop])
+                assert p.stride == row_stride_elems(p.width) and p.num_rows >= 1
+                assert p.num_rows == 1 or p.num_rows * p.stride * 4 <= budget
+            # the callback's kernels rerun a piece on any view and write the same rows
+            first = out.clone()
+            out.fill_(7)
+            for piece, logits, select in calls:
+                buf, view = poisoned(piece.num_rows, piece.width)
+                logits(out=view)
+                select(view)
+            assert torch.equal(out[covered], first[covered])
 
     def test_prefill_takes_every_logits_buffer_inside_the_scope_and_within_budget():
         query_lens = [30, 50, 5]
         seq_lens = [30, 120, 60]
         budget = 4 * 24 * 40
-        q, w, kv, kv_scale = batch(query_lens, seq_lens, 1, 8, 32, seed=31)
+        q, w, dense = batch(query_lens, seq_lens, 1, 8, 32, seed=31)
         rec = LogitsAllocations()
         stats = PrefillStats()
         with rec:
-            prefill_topk(q, w, query_lens, seq_lens, kv=kv, kv_scale=kv_scale, k=8,
-                         max_logits_bytes=budget, workspace=rec.scope, stats=stats)
+            prefill_topk(q, w, query_lens, seq_lens, dense, k=8, max_logits_bytes=budget,
+                         workspace=rec.scope, stats=stats)
         inside = [r for r in rec.records if r[2]]
         assert stats.pieces > 3
         assert rec.entered == stats.pieces == len(inside), rec.records
@@ -558,24 +629,67 @@ else:
     def test_prefill_results_do_not_depend_on_the_budget():
         query_lens = [17, 33]
         seq_lens = [60, 33]
-        q, w, kv, kv_scale = batch(query_lens, seq_lens, 2, 16, 32, seed=41)
-        kw = dict(kv=kv, kv_scale=kv_scale, k=8, compress_ratio=2,
-                  workspace=contextlib.nullcontext)
-        big = prefill_topk(q, w, query_lens, seq_lens, max_logits_bytes=1 << 30, **kw)
-        small = prefill_topk(q, w, query_lens, seq_lens, max_logits_bytes=4 * 16 * 3, **kw)
-        ks, ke, pieces = reference_topk(q, w, kv, kv_scale, query_lens, seq_lens, 2, 8)
+        q, w, dense = batch(query_lens, seq_lens, 2, 16, 32, seed=41)
+        kw = dict(k=8, compress_ratio=2)
+        big = run_prefill(q, w, query_lens, seq_lens, dense, max_logits_bytes=1 << 30, **kw)
+        small = run_prefill(q, w, query_lens, seq_lens, dense, max_logits_bytes=4 * 16 * 3, **kw)
+        ks, ke, pieces = reference_topk(q, w, dense, query_lens, seq_lens, 2, 8)
         for rows, want in pieces:
             for got in (big, small):
                 assert ref.topk_validity(want, got[rows], ks[rows], ke[rows], 8).all()
 
-    def test_prefill_rejects_inconsistent_batches():
-        q, w, kv, kv_scale = batch([4], [8], 1, 8, 32, seed=51)
-        with pytest.raises(ValueError):
-            prefill_topk(q, w, [4], [3], kv=kv, kv_scale=kv_scale, k=4)
-        with pytest.raises(ValueError):
-            prefill_topk(q, w, [4], [8], kv=kv[:5], kv_scale=kv_scale[:5], k=4)
-        with pytest.raises(ValueError):
-            prefill_topk(q, w, [4], [8], k=4)
+    def one_line_error(kind, match, fn, *args, **kw):
+        with pytest.raises(kind, match=match) as err:
+            fn(*args, **kw)
+        assert "\n" not in str(err.value)
+
+    def test_dense_and_paged_kv_reject_bad_tensors_in_one_line():
+        kv, scale = torch.randn(10, 32), torch.rand(10)
+        one_line_error(ValueError, "DenseKV.kv has dtype torch.int32", DenseKV,
+                       kv.to(torch.int32), scale)
+        one_line_error(ValueError, r"DenseKV.kv must be \[N, D\]", DenseKV, kv[None], scale)
+        one_line_error(ValueError, "contiguous rows", DenseKV, kv.t().contiguous().t(), scale)
+        one_line_error(ValueError, r"DenseKV.scale must be float32 \[10\]", DenseKV, kv,
+                       scale.double())
+        one_line_error(ValueError, r"DenseKV.scale must be float32 \[10\]", DenseKV, kv, scale[:9])
+        one_line_error(ValueError, "one device", DenseKV, kv, scale.to("meta"))
+        one_line_error(TypeError, "DenseKV.scale must be a torch.Tensor", DenseKV, kv, [1.0] * 10)
+        cache, pscale = torch.randn(6, 4, 32), torch.rand(6, 4)
+        table = torch.zeros(2, 3, dtype=torch.int32)
+        PagedKV(cache, pscale, table)
+        one_line_error(ValueError, r"PagedKV.cache must be \[num_blocks, PAGE, D\]", PagedKV,
+                       cache[0], pscale, table)
+        one_line_error(ValueError, r"PagedKV.scale must be float32 \[6, 4\]", PagedKV, cache,
+                       pscale[:, :3], table)
+        one_line_error(ValueError, "PagedKV.block_table must be int32", PagedKV, cache, pscale,
+                       table.long())
+        one_line_error(ValueError, "one device", PagedKV, cache, pscale, table.to("meta"))
+
+    def test_prefill_rejects_inconsistent_batches_in_one_line():
+        q, w, dense = batch([4], [8], 1, 8, 32, seed=51)
+        one_line_error(ValueError, "query_lens", prefill_topk, q, w, [4], [3], dense, k=4)
+        one_line_error(ValueError, "DenseKV has 5 rows; the batch needs 8", prefill_topk, q, w,
+                       [4], [8], DenseKV(dense.kv[:5], dense.scale[:5]), k=4)
+        table = torch.zeros(2, 1, dtype=torch.int32)
+        paged = PagedKV(torch.randn(3, 4, 32), torch.rand(3, 4), table)
+        one_line_error(ValueError, "2 rows; the batch has 1 requests", prefill_topk, q, w,
+                       [4], [8], paged, k=4)
+        one_line_error(ValueError, "1 pages of 4 a request; a request of the batch has 8",
+                       prefill_topk, q, w, [4], [8], PagedKV(paged.cache, paged.scale, table[:1]),
+                       k=4)
+        one_line_error(ValueError, "on meta but q on cpu", prefill_topk, q, w, [4], [8],
+                       DenseKV(dense.kv.to("meta"), dense.scale.to("meta")), k=4)
+        one_line_error(ValueError, r"out must be int32 \[4, 4\]", prefill_topk, q, w, [4], [8],
+                       dense, k=4, out=torch.empty(4, 4, dtype=torch.int64))
+
+    def test_prefill_names_the_kv_types_for_the_former_keywords():
+        q, w, dense = batch([4], [8], 1, 8, 32, seed=52)
+        one_line_error(TypeError, r"DenseKV\(kv, scale\) or PagedKV", prefill_topk, q, w, [4],
+                       [8], dense.kv, k=4)
+        one_line_error(TypeError, r"kv=DenseKV\(kv, kv_scale\)", prefill_topk, q, w, [4], [8],
+                       kv=dense.kv, kv_scale=dense.scale, k=4)
+        one_line_error(TypeError, "unexpected keyword argument 'budget'", prefill_topk, q, w,
+                       [4], [8], dense, k=4, budget=1)
 
     # --- the weighted q in parts (the sm_90 kernel's linear half) -------------------------------
 

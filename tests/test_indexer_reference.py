@@ -136,7 +136,7 @@ def test_cpu_tensors_without_the_interpreter_say_what_to_set():
 import torch, indexer
 q, w, kv = torch.randn(4, 2, 64), torch.rand(4, 2), torch.randn(4, 64)
 try:
-    indexer.prefill_topk(q, w, [4], [4], kv=kv, kv_scale=torch.ones(4), k=2)
+    indexer.prefill_topk(q, w, [4], [4], indexer.DenseKV(kv, torch.ones(4)), k=2)
 except ValueError as e:
     print(e)
 """, env={"TRITON_INTERPRET": ""})

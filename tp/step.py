@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from indexer.prefill import PrefillStats, prefill_topk
+from indexer.prefill import DenseKV, PrefillStats, prefill_topk
 
 from .mlp import ShardedMLP
 
@@ -104,7 +104,7 @@ class ServingStep:
         out = self.mlp(hidden)
         t1 = self._clock()
         stats = PrefillStats()
-        indices = prefill_topk(q, w, [tokens], [seen], kv=self.kv[:hi], kv_scale=self.kv_scale[:hi],
+        indices = prefill_topk(q, w, [tokens], [seen], DenseKV(self.kv[:hi], self.kv_scale[:hi]),
                                k=self.topk, max_logits_bytes=self.max_logits_bytes,
                                compress_ratio=self.compress_ratio, out=self.out[:tokens],
                                workspace=self.workspace, stats=stats)
