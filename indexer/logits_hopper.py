@@ -1,20 +1,17 @@
 """The indexer logits on Hopper (sm_90): a persistent, warp-specialized Gluon kernel.
 
 Same contract as ``logits.mqa_logits`` / ``paged_mqa_logits``, which dispatch here for bf16,
-fp16 and fp8 on sm_90; this module holds the kernel and its launch.
+fp16 and fp8 on sm_90; this module holds the kernel and its launch. The figures behind its
+design are in ``docs/indexer-kernels.md``.
 
 Why a second kernel: per head, the logits need ``relu(q_h . kv) * w_h`` summed over heads, and
 the relu sits between the product and the head sum. In the portable Triton kernel each
-product's result is waited for before its relu, so the tensor cores idle during every relu;
-at 64 heads the relus and weights cost about a quarter of the products' time. Two ways to
-hide them were tried on sm_90:
-
-* one warpgroup issuing head h's product asynchronously and running head h - 1's relu
-  meanwhile: ptxas serializes every wgmma of a loop that carries one in flight across its
-  back edge, and draining at the loop's end costs what it saves;
-* two consumer warpgroups that each run their products synchronously and are never made to
-  wait for each other: while one runs its relus the other's product keeps the tensor cores
-  busy (the ping-pong of FlashAttention-3 and CUTLASS). This is the kernel.
+product's result is waited for before its relu, so the tensor cores idle during every relu.
+Issuing head h's product asynchronously while running head h - 1's relu does not help: ptxas
+serializes every wgmma of a loop that carries one in flight across its back edge. So two or
+three consumer warpgroups each run their products synchronously and are never made to wait
+for each other: while one runs its relus the other's product keeps the tensor cores busy (the
+ping-pong of FlashAttention-3 and CUTLASS).
 
 Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output tiles):
 
@@ -28,61 +25,41 @@ Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output 
   weights from shared memory, release the q tile, relu, weight, accumulate. All read the same
   q tile from shared memory, so each q byte fetched from L2 feeds 256 or 384 columns. fp8
   products take half as long as bf16 ones, so two consumers' relus no longer fit under each
-  other's products; a third keeps the tensor cores fed (four warpgroups then share the
-  register file; the few registers that spill are outside the product loop but for one of the
-  first consumer's on Triton 3.6, which runs as the default partition under maxnreg).
+  other's products; a third keeps the tensor cores fed.
+
+Both rings (q tiles, kv tiles) hand buffers over with a "full" barrier (the producer's loads
+landed) and an "empty" one (every consumer released the buffer); ``_wait_full`` and
+``_wait_empty`` hold the slot and phase arithmetic.
 
 The linear half (``HopperConfig.linear_terms = k``, the fp8 default from 32 heads up):
 ``relu(s) w = (s w + |s| w) / 2``, and summed over the heads the first half is
 ``q_w . kv / 2`` with ``q_w = sum_h w_h q_h``. ``weighted_q`` writes q_w as k parts in q's
 dtype with a row scale; the producer streams them through the q ring ahead of each tile's
 heads, and each consumer starts its accumulator as their products (the first part's and the
-rest's summed apart in float32). A head then costs one ``FFMA`` an element (``|s|`` is an
-operand modifier) instead of an ``FMNMX`` and an ``FFMA``: 118 instructions a head in the
-product loop instead of 184 (fp8, 3 consumers), for k more products a tile. With k = 3 the
-logits are as close to the float64 reference as the per-head form's (fp8's reduced-precision
-accumulation dominates both). On an H200 it makes fp8 at 64 heads 3-4% faster (0.84-0.86 to
-0.87-0.89 of ``torch._scaled_mm``) and 0-1% at 32; at 16 heads the k products cost more than
-they save. bf16, whose products take twice as long, gains 2% with two parts at ten times the
-error, and keeps a relu per head.
+rest's summed apart in float32: in one wgmma chain the later parts' bits would be lost in
+fp8's reduced-precision accumulation). A head then costs one ``FFMA`` an element (``|s|`` is
+an operand modifier) instead of an ``FMNMX`` and an ``FFMA``, for k more products a tile; with
+k = 3 the logits are as close to the float64 reference as the per-head form's. At 16 heads the
+k products cost more than they save; bf16, whose products take twice as long, keeps a relu
+per head.
 
-What limited fp8 before the weights came from shared memory (an H200,
-``benchmarks/RESULTS.md``): at the board's power limit the kernel
-runs at a higher clock than ``torch._scaled_mm`` and does 0.75 of its work per cycle (0.72
-with a relu per head). With the linear half, issue is active 37% of the cycles and the tensor
-pipe about three quarters; the consumers' samples gather on the waits for their wgmma results.
-Variants that did not help: two consumers of 256 columns each holding the q tile in registers
-(a fifth less shared-memory traffic, but each consumer's relus then wait on its own products:
-slower), two heads per q stage (half the barriers: no faster), loads of w without a mask
-(slower), the relu as two FMAs (``s w/2 + |s| w/2``, both halves per head: slower than
-``FMNMX`` + ``FFMA``), and the linear half's parts summed in one wgmma chain (2-3% faster, but
-3x the error: the later parts' bits are lost in the fp8 accumulation). Not yet tried: kv as the
-register-held operand (``S^T = kv q_h^T``), a third less shared-memory traffic per FLOP, at
-the price of a w value per column instead of per row.
-
-The weights come from shared memory because their global loads (a row's weight for the next
-head, with its address and mask) cost 19 of the 118 instructions a head. ``weighted_q.w_tiles``
+The weights come from shared memory, because their global loads (a row's weight for the next
+head, with its address and mask) cost a good part of a head's instructions. ``weighted_q.w_tiles``
 writes w transposed (halved for the linear half), with each 16 rows in the order 0, 8, 1, 9,
-..., so that the two rows a thread holds in the wgmma layout are one 8-byte shared load: 99
-instructions a head on Triton 3.6, and fp8 at 64 heads 10% faster on an H200 (1,258 against
-1,144 TFLOP/s, the same bits). It costs 2 x H x 64 x 4 bytes of shared memory (32 KiB at 64
-heads), which ``supports`` counts.
+..., so that the two rows a thread holds in the wgmma layout are one 8-byte shared load. It
+costs 2 x H x 64 x 4 bytes of shared memory (32 KiB at 64 heads), which ``supports`` counts.
 
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
 ``clean``). A row block's active tiles are one run of column blocks; counting them row block
 by row block, program p takes the p-th, (p + programs)-th, ... active tile, so that every
-program computes as many tiles as any other, give or take one (``_seek``). Every partition
-walks the same sequence. Striding over all tiles instead (skipping the inactive ones on the
-way) gave the 132 programs of the benchmark's fp8 causal rows between 40 and 44 of the 5,568
-active tiles; balanced, those rows without ``clean`` run at 0.96-0.97 of full rows' rate
-instead of 0.93 (an H200, benchmarks/RESULTS.md, runs 27-30).
+program computes as many tiles as any other, give or take one (the tile cursor of ``_seek``).
+Every partition walks the same sequence. (Striding over all tiles instead, skipping the
+inactive ones on the way, leaves the programs of causal rows unevenly loaded.)
 
 With ``clean`` the skipped tiles are walked the same way, and the producer warp writes one
 of them a tile (the rest after its last) by TMA stores of a ``-inf`` box in shared memory: a
-few instructions of a warp that mostly waits. The consumers storing them from registers
-instead, one a tile between their products, made the benchmark's fp8 causal rows 1.78x
-faster than full rows against 1.92x without ``clean``; by TMA from the producer, 1.83-1.88x
-(runs 31 and 33). The producer storing whole tiles from its registers was no faster (run 28).
+few instructions of a warp that mostly waits, where the consumers storing them from registers
+would stall their products.
 """
 
 from __future__ import annotations
@@ -273,7 +250,8 @@ if AVAILABLE:
                     ACTIVE: gl.constexpr, NW: gl.constexpr):
         """The tile cursor (see _seek) at the target-th tile of a kind, from the walk's start."""
         zero = target * 0
-        return _seek(target, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN, ACTIVE, NW)
+        return _seek(target, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN, ACTIVE=ACTIVE,
+                     NW=NW)
 
     @gluon.jit
     def _tile_at(target, r, base, lo, cnt, N, BN: gl.constexpr, ACTIVE: gl.constexpr):
@@ -305,7 +283,7 @@ if AVAILABLE:
             # from the next one)
             zero = a * 0
             r, base, lo, cnt = _seek(a, t // num_n, end, zero, zero, p_ks, p_ke, M, N, BM, BN,
-                                     True, NW)
+                                     ACTIVE=True, NW=NW)
             off, end = _run_bounds(r, base, lo, cnt, num_n)
         return off, end, a + off
 
@@ -331,7 +309,7 @@ if AVAILABLE:
         out_desc, inf_smem, p_out, stride_om = fill
         FM: gl.constexpr = inf_smem.type.shape[0]
         FN: gl.constexpr = inf_smem.type.shape[1]
-        t = _tile_at(i, r, base, lo, cnt, N, BN, False)
+        t = _tile_at(i, r, base, lo, cnt, N, BN, ACTIVE=False)
         num_n = gl.cdiv(N, BN)
         m_0 = (t // num_n) * BM
         n_0 = (t % num_n) * BN
@@ -348,7 +326,8 @@ if AVAILABLE:
                      gl.full([BM, 4], float("-inf"), gl.float32, TAIL),
                      mask=(o_m < M)[:, None] & (o_n < N)[None, :])
         i += gl.num_programs(0)
-        r, base, lo, cnt = _seek(i, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, False, NW)
+        r, base, lo, cnt = _seek(i, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, ACTIVE=False,
+                                 NW=NW)
         return i, r, base, lo, cnt
 
     @gluon.jit
@@ -473,17 +452,18 @@ if AVAILABLE:
         # The active tiles (a column inside some row's [ks, ke)) counted in order, program p
         # takes the p-th, (p + programs)-th, ...: as many as any other, give or take one.
         a = gl.program_id(0)
-        r, base, lo, cnt = _walk_start(a, p_ks, p_ke, M, N, BM, BN, True, NW)
+        r, base, lo, cnt = _walk_start(a, p_ks, p_ke, M, N, BM, BN, ACTIVE=True, NW=NW)
         if CLEAN:
             # The other tiles get -inf, walked the same way, one a tile while there are active
             # ones, by TMA stores of a -inf box (the module's docstring says why).
             _fill_box(inf_smem, NW)
             i = a
-            ri, base_i, lo_i, cnt_i = _walk_start(i, p_ks, p_ke, M, N, BM, BN, False, NW)
+            ri, base_i, lo_i, cnt_i = _walk_start(i, p_ks, p_ke, M, N, BM, BN, ACTIVE=False,
+                                                  NW=NW)
         s = 0
         j = 0
         while r < num_r:
-            t = _tile_at(a, r, base, lo, cnt, N, BN, True)
+            t = _tile_at(a, r, base, lo, cnt, N, BN, ACTIVE=True)
             m_0 = _load_kv_tile(j, t, num_n, kv_desc, w_desc, kv_ring, off_smem, kv_src, N,
                                 NC, PAGED, PAGE, CHUNK, KV_LOAD)
             if CLEAN:
@@ -497,7 +477,8 @@ if AVAILABLE:
             for h in range(H):
                 s = _load_q(q_desc, m_0, h * D, s, q_ring)
             a += gl.num_programs(0)
-            r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, True, NW)
+            r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, ACTIVE=True,
+                                     NW=NW)
             j += 1
         if CLEAN:
             while ri < num_r:
@@ -582,7 +563,7 @@ if AVAILABLE:
         # The producer's walk over the active tiles, with less to carry across the product
         # loop (_run_bounds).
         a = gl.program_id(0)
-        r, base, lo, cnt = _walk_start(a, p_ks, p_ke, M, N, BM, BN, True, NW)
+        r, base, lo, cnt = _walk_start(a, p_ks, p_ke, M, N, BM, BN, ACTIVE=True, NW=NW)
         off, end = _run_bounds(r, base, lo, cnt, num_n)
         t = a + off
         s = 0
