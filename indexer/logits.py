@@ -6,12 +6,11 @@ per-row float32 scale in ``kv_scale``; q's scale is folded into ``w`` as vLLM do
 w and kv_scale are float32; the output is float32.
 
 Two kernels: on sm_90, bf16, fp16 and fp8 calls go by default to the warp-specialized Gluon
-kernel of ``logits_hopper`` (consumer warpgroups that ping-pong their products and relus; at
-64 heads on an H200, 0.98 of the bf16 matmul rate, and 0.88 of the fp8 ``_scaled_mm`` rate with
-the relus' linear half taken apart, see ``weighted_q``). The portable Triton kernel below
-serves everything else (other GPUs, float32, inputs the Gluon kernel cannot take, the CPU
-interpreter); on an H200 it runs at ~62% of the matmul rate, because its relus wait for each
-product.
+kernel of ``logits_hopper`` (consumer warpgroups that ping-pong their products and relus, and
+for fp8 the relus' linear half taken apart, see ``weighted_q``). The portable Triton kernel
+below serves everything else (other GPUs, float32, inputs the Gluon kernel cannot take, the
+CPU interpreter); it is slower, because its relus wait for each product. Their rates, and the
+figures behind the defaults below: ``docs/indexer-kernels.md``.
 
 Tiling of the portable kernel: one program owns a ``BLOCK_M x BLOCK_N`` output tile (queries x
 kv entries). It loads its kv tile once into shared memory, then loops over the heads: per head one
@@ -22,7 +21,7 @@ product and the head sum, so the heads cannot become the product's K dimension. 
 computed transposed and transposed back once at the store. Programs are ordered n-fastest, so
 the programs running together share one q block in L2. Triton waits for each product before
 the relu that follows it, so products and relus overlap only across co-resident programs:
-the default tile (64 x 128, 4 warps, ~250 registers a thread) lets two run per SM.
+the default tile (64 x 128, 4 warps) lets two run per SM.
 A tile whose columns lie wholly outside every row's ``[ks, ke)`` skips the products (causal
 rows cost about half of full rows) and, if ``clean``, writes ``-inf``.
 
@@ -169,10 +168,10 @@ class LogitsConfig:
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
-# Compiled for sm_90 (Triton 3.9's ptxas), 64 x 128 with 4 warps uses ~250 registers and no
-# spills: two programs per SM, which is what overlaps one program's relus with the other's
-# products. Wider tiles (128 x 128 on 8 warps) spill. Untuned on hardware: the benchmark's
-# sweep (benchmarks/bench_indexer.py) times the candidates and set_config() can pin a winner.
+# 64 x 128 with 4 warps fits two programs per SM without spills (tests/test_indexer_compile.py
+# checks it for sm_90), which is what overlaps one program's relus with the other's products;
+# wider tiles (128 x 128 on 8 warps) spill. The benchmark's sweep (benchmarks/bench_indexer.py)
+# times the candidates and set_config() can pin a winner.
 _GPU_DEFAULT = LogitsConfig(64, 128, 4, 3)
 _CANDIDATES = (LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 4),
                LogitsConfig(64, 64, 4, 3), LogitsConfig(32, 128, 4, 3),
@@ -214,12 +213,11 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
     if chosen is not None:
         return chosen
     if _on_hopper():
-        # Measured on an H200 (benchmarks/RESULTS.md): bf16 is fastest with two consumer
-        # warpgroups and 3 q stages; fp8's products take half as long, and a third consumer
-        # with a deeper q ring keeps the tensor cores fed through the relus. From 32 heads
-        # up, fp8 is faster still with the linear half of the relus as three more products
-        # a tile (one instruction a head and element less); at 16 heads those products cost
-        # more than they save.
+        # bf16 is fastest with two consumer warpgroups and 3 q stages; fp8's products take
+        # half as long, and a third consumer with a deeper q ring keeps the tensor cores fed
+        # through the relus. From 32 heads up, fp8 is faster still with the linear half of
+        # the relus as three more products a tile (one instruction a head and element less);
+        # at 16 heads those products cost more than they save (docs/indexer-kernels.md).
         linear = 3 if dtype == _FP8 and h >= 32 else 0
         for cfg in ((HopperConfig(3),) if dtype != _FP8 else
                     (HopperConfig(6, 3, linear), HopperConfig(4, 2, linear))):

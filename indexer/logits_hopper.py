@@ -1,20 +1,17 @@
 """The indexer logits on Hopper (sm_90): a persistent, warp-specialized Gluon kernel.
 
 Same contract as ``logits.mqa_logits`` / ``paged_mqa_logits``, which dispatch here for bf16,
-fp16 and fp8 on sm_90; this module holds the kernel and its launch.
+fp16 and fp8 on sm_90; this module holds the kernel and its launch. The figures behind its
+design are in ``docs/indexer-kernels.md``.
 
 Why a second kernel: per head, the logits need ``relu(q_h . kv) * w_h`` summed over heads, and
 the relu sits between the product and the head sum. In the portable Triton kernel each
-product's result is waited for before its relu, so the tensor cores idle during every relu;
-at 64 heads the relus and weights cost about a quarter of the products' time. Two ways to
-hide them were tried on sm_90:
-
-* one warpgroup issuing head h's product asynchronously and running head h - 1's relu
-  meanwhile: ptxas serializes every wgmma of a loop that carries one in flight across its
-  back edge, and draining at the loop's end costs what it saves;
-* two consumer warpgroups that each run their products synchronously and are never made to
-  wait for each other: while one runs its relus the other's product keeps the tensor cores
-  busy (the ping-pong of FlashAttention-3 and CUTLASS). This is the kernel.
+product's result is waited for before its relu, so the tensor cores idle during every relu.
+Issuing head h's product asynchronously while running head h - 1's relu does not help: ptxas
+serializes every wgmma of a loop that carries one in flight across its back edge. So two or
+three consumer warpgroups each run their products synchronously and are never made to wait
+for each other: while one runs its relus the other's product keeps the tensor cores busy (the
+ping-pong of FlashAttention-3 and CUTLASS).
 
 Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output tiles):
 
@@ -28,66 +25,47 @@ Partitions of one CTA (one per SM, looping over ``64 x 128 * consumers`` output 
   weights from shared memory, release the q tile, relu, weight, accumulate. All read the same
   q tile from shared memory, so each q byte fetched from L2 feeds 256 or 384 columns. fp8
   products take half as long as bf16 ones, so two consumers' relus no longer fit under each
-  other's products; a third keeps the tensor cores fed (four warpgroups then share the
-  register file; the few registers that spill are outside the product loop but for one of the
-  first consumer's on Triton 3.6, which runs as the default partition under maxnreg).
+  other's products; a third keeps the tensor cores fed.
+
+Both rings (q tiles, kv tiles) hand buffers over with a "full" barrier (the producer's loads
+landed) and an "empty" one (every consumer released the buffer); ``_wait_full`` and
+``_wait_empty`` hold the slot and phase arithmetic.
 
 The linear half (``HopperConfig.linear_terms = k``, the fp8 default from 32 heads up):
 ``relu(s) w = (s w + |s| w) / 2``, and summed over the heads the first half is
 ``q_w . kv / 2`` with ``q_w = sum_h w_h q_h``. ``weighted_q`` writes q_w as k parts in q's
 dtype with a row scale; the producer streams them through the q ring ahead of each tile's
 heads, and each consumer starts its accumulator as their products (the first part's and the
-rest's summed apart in float32). A head then costs one ``FFMA`` an element (``|s|`` is an
-operand modifier) instead of an ``FMNMX`` and an ``FFMA``: 118 instructions a head in the
-product loop instead of 184 (fp8, 3 consumers), for k more products a tile. With k = 3 the
-logits are as close to the float64 reference as the per-head form's (fp8's reduced-precision
-accumulation dominates both). On an H200 it makes fp8 at 64 heads 3-4% faster (0.84-0.86 to
-0.87-0.89 of ``torch._scaled_mm``) and 0-1% at 32; at 16 heads the k products cost more than
-they save. bf16, whose products take twice as long, gains 2% with two parts at ten times the
-error, and keeps a relu per head.
+rest's summed apart in float32: in one wgmma chain the later parts' bits would be lost in
+fp8's reduced-precision accumulation). A head then costs one ``FFMA`` an element (``|s|`` is
+an operand modifier) instead of an ``FMNMX`` and an ``FFMA``, for k more products a tile; with
+k = 3 the logits are as close to the float64 reference as the per-head form's. At 16 heads the
+k products cost more than they save; bf16, whose products take twice as long, keeps a relu
+per head.
 
-What limited fp8 before the weights came from shared memory (an H200,
-``benchmarks/RESULTS.md``): at the board's power limit the kernel
-runs at a higher clock than ``torch._scaled_mm`` and does 0.75 of its work per cycle (0.72
-with a relu per head). With the linear half, issue is active 37% of the cycles and the tensor
-pipe about three quarters; the consumers' samples gather on the waits for their wgmma results.
-Variants that did not help: two consumers of 256 columns each holding the q tile in registers
-(a fifth less shared-memory traffic, but each consumer's relus then wait on its own products:
-slower), two heads per q stage (half the barriers: no faster), loads of w without a mask
-(slower), the relu as two FMAs (``s w/2 + |s| w/2``, both halves per head: slower than
-``FMNMX`` + ``FFMA``), and the linear half's parts summed in one wgmma chain (2-3% faster, but
-3x the error: the later parts' bits are lost in the fp8 accumulation). Not yet tried: kv as the
-register-held operand (``S^T = kv q_h^T``), a third less shared-memory traffic per FLOP, at
-the price of a w value per column instead of per row.
-
-The weights come from shared memory because their global loads (a row's weight for the next
-head, with its address and mask) cost 19 of the 118 instructions a head. ``weighted_q.w_tiles``
+The weights come from shared memory, because their global loads (a row's weight for the next
+head, with its address and mask) cost a good part of a head's instructions. ``weighted_q.w_tiles``
 writes w transposed (halved for the linear half), with each 16 rows in the order 0, 8, 1, 9,
-..., so that the two rows a thread holds in the wgmma layout are one 8-byte shared load: 99
-instructions a head on Triton 3.6, and fp8 at 64 heads 10% faster on an H200 (1,258 against
-1,144 TFLOP/s, the same bits). It costs 2 x H x 64 x 4 bytes of shared memory (32 KiB at 64
-heads), which ``supports`` counts.
+..., so that the two rows a thread holds in the wgmma layout are one 8-byte shared load. It
+costs 2 x H x 64 x 4 bytes of shared memory (32 KiB at 64 heads), which ``supports`` counts.
 
 Tiles wholly outside every row's ``[ks, ke)`` are skipped (and written ``-inf`` when
 ``clean``). A row block's active tiles are one run of column blocks; counting them row block
 by row block, program p takes the p-th, (p + programs)-th, ... active tile, so that every
-program computes as many tiles as any other, give or take one (``_seek``). Every partition
-walks the same sequence. Striding over all tiles instead (skipping the inactive ones on the
-way) gave the 132 programs of the benchmark's fp8 causal rows between 40 and 44 of the 5,568
-active tiles; balanced, those rows without ``clean`` run at 0.96-0.97 of full rows' rate
-instead of 0.93 (an H200, benchmarks/RESULTS.md, runs 27-30).
+program computes as many tiles as any other, give or take one (the tile cursor of ``_seek``).
+Every partition walks the same sequence. (Striding over all tiles instead, skipping the
+inactive ones on the way, leaves the programs of causal rows unevenly loaded.)
 
 With ``clean`` the skipped tiles are walked the same way, and the producer warp writes one
 of them a tile (the rest after its last) by TMA stores of a ``-inf`` box in shared memory: a
-few instructions of a warp that mostly waits. The consumers storing them from registers
-instead, one a tile between their products, made the benchmark's fp8 causal rows 1.78x
-faster than full rows against 1.92x without ``clean``; by TMA from the producer, 1.83-1.88x
-(runs 31 and 33). The producer storing whole tiles from its registers was no faster (run 28).
+few instructions of a warp that mostly waits, where the consumers storing them from registers
+would stall their products.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -128,6 +106,7 @@ if AVAILABLE:
             return buf._reinterpret(dtype, shape, layout)
 
 
+@dataclass(frozen=True)
 class HopperConfig:
     """``stages``: q tiles (one head each) in flight between the producer and consumers;
     ``consumers``: consumer warpgroups (2 or 3), each owning 128 of the tile's columns;
@@ -137,18 +116,18 @@ class HopperConfig:
     a tile; the logits then differ from the per-head form by about 2^-(mantissa bits * k)
     of q_w's size, see ``weighted_q``)."""
 
-    __slots__ = ("stages", "consumers", "linear_terms")
+    stages: int = 4
+    consumers: int = 2
+    linear_terms: int = 0
 
-    def __init__(self, stages: int = 4, consumers: int = 2, linear_terms: int = 0):
-        if stages < 2:
-            raise ValueError(f"HopperConfig.stages must be >= 2, got {stages}")
-        if consumers not in (2, 3):
-            raise ValueError(f"HopperConfig.consumers must be 2 or 3, got {consumers}")
-        if linear_terms not in range(5):
-            raise ValueError(f"HopperConfig.linear_terms must be 0 to 4, got {linear_terms}")
-        self.stages = stages
-        self.consumers = consumers
-        self.linear_terms = linear_terms
+    def __post_init__(self):
+        if self.stages < 2:
+            raise ValueError(f"HopperConfig.stages must be >= 2, got {self.stages}")
+        if self.consumers not in (2, 3):
+            raise ValueError(f"HopperConfig.consumers must be 2 or 3, got {self.consumers}")
+        if self.linear_terms not in range(5):
+            raise ValueError(f"HopperConfig.linear_terms must be 0 to 4, got "
+                             f"{self.linear_terms}")
 
     @property
     def block_n(self) -> int:
@@ -168,15 +147,6 @@ class HopperConfig:
         lin = f" linear{self.linear_terms}" if self.linear_terms else ""
         return f"wgmma 64x{self.block_n} s{self.stages}{lin}"
 
-    def __eq__(self, other) -> bool:
-        return isinstance(other, HopperConfig) and self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash(self._key())
-
-    def _key(self) -> tuple:
-        return (self.stages, self.consumers, self.linear_terms)
-
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _GL_DTYPE = {}
@@ -191,6 +161,34 @@ if AVAILABLE:
     @gluon.jit
     def _add(a, b):
         return a + b
+
+    # ---- the rings' barriers -----------------------------------------------------------------
+    # The q tiles and the kv tiles each pass through a ring of buffers, with a "full" and an
+    # "empty" barrier per buffer. The index-th fill of a ring of SLOTS buffers uses buffer
+    # index % SLOTS, and each lap around the ring completes that buffer's barriers once more.
+
+    @gluon.jit
+    def _ring_phase(index, SLOTS: gl.constexpr):
+        """The phase (0 or 1) that the barriers of the index-th fill's buffer complete for it."""
+        return (index // SLOTS) & 1
+
+    @gluon.jit
+    def _wait_full(full, index, SLOTS: gl.constexpr):
+        """Waits until the index-th fill of a ring has landed; returns its buffer."""
+        slot = index % SLOTS
+        mbarrier.wait(full.index(slot), _ring_phase(index, SLOTS))
+        return slot
+
+    @gluon.jit
+    def _wait_empty(empty, index, SLOTS: gl.constexpr):
+        """Waits until the buffer of the index-th fill of a ring is free: its consumers have
+        released the previous lap's fill (on the first lap, the phase before a fresh barrier's
+        first, which counts as complete); returns the buffer."""
+        slot = index % SLOTS
+        mbarrier.wait(empty.index(slot), _ring_phase(index, SLOTS) ^ 1)
+        return slot
+
+    # ---- the tile walk -----------------------------------------------------------------------
 
     @gluon.jit
     def _block_ranges(r0, p_ks, p_ke, M, N, BM: gl.constexpr, BN: gl.constexpr,
@@ -212,13 +210,13 @@ if AVAILABLE:
     @gluon.jit
     def _seek(target, r, base, lo, cnt, p_ks, p_ke, M, N, BM: gl.constexpr,
               BN: gl.constexpr, ACTIVE: gl.constexpr, NW: gl.constexpr):
-        """Moves a cursor over the row blocks forward to the one that holds the target-th
-        tile of a kind, tiles counted row block by row block: ACTIVE, those with a column
-        inside some row's [ks, ke); else the others. The cursor: row block r, the tiles of
-        the kind in the blocks before it (base), r's active column blocks [lo, lo + cnt).
-        r = cdiv(M, BM) once there is no such tile; r = -1 (base, lo, cnt 0) starts a walk.
-        Row blocks are read G at a time, so that a long way (many row blocks a step when N is
-        short) takes few dependent loads."""
+        """Moves the tile cursor over the row blocks forward to the one that holds the
+        target-th tile of a kind, tiles counted row block by row block: ACTIVE, those with a
+        column inside some row's [ks, ke); else the others. The cursor (r, base, lo, cnt): row
+        block r, the tiles of the kind in the blocks before it (base), r's active column
+        blocks [lo, lo + cnt). r = cdiv(M, BM) once there is no such tile; r = -1 (base, lo,
+        cnt 0) starts a walk (_walk_start). Row blocks are read G at a time, so that a long
+        way (many row blocks a step when N is short) takes few dependent loads."""
         G: gl.constexpr = 8 * 32 * NW // BM
         L: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [NW, 1], [1, 0])
         LG: gl.constexpr = gl.BlockedLayout([G], [32], [NW], [0])
@@ -248,9 +246,17 @@ if AVAILABLE:
         return r, base, lo, cnt
 
     @gluon.jit
+    def _walk_start(target, p_ks, p_ke, M, N, BM: gl.constexpr, BN: gl.constexpr,
+                    ACTIVE: gl.constexpr, NW: gl.constexpr):
+        """The tile cursor (see _seek) at the target-th tile of a kind, from the walk's start."""
+        zero = target * 0
+        return _seek(target, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN, ACTIVE=ACTIVE,
+                     NW=NW)
+
+    @gluon.jit
     def _tile_at(target, r, base, lo, cnt, N, BN: gl.constexpr, ACTIVE: gl.constexpr):
-        """The tile (row block * column blocks + column block) that _seek's cursor points
-        at: active tiles lie at [lo, lo + cnt) of their row block, the others around them."""
+        """The tile (row block * column blocks + column block) that the cursor points at:
+        active tiles lie at [lo, lo + cnt) of their row block, the others around them."""
         i = target - base
         if ACTIVE:
             c = lo + i
@@ -259,16 +265,51 @@ if AVAILABLE:
         return r * gl.cdiv(N, BN) + c
 
     @gluon.jit
-    def _fill_next(i, r, base, lo, cnt, p_ks, p_ke, out_desc, inf_smem, p_out, stride_om, M, N,
-                   step, BM: gl.constexpr, BN: gl.constexpr, NW: gl.constexpr):
-        """-inf into the i-th inactive tile (_seek's cursor points at it), by TMA stores of
-        the -inf box in shared memory; returns the cursor moved to the (i + step)-th.
+    def _run_bounds(r, base, lo, cnt, num_n):
+        """The cursor's run of active tiles (r's), as the consumers walk it: the a-th active
+        tile is t = a + off while a < end."""
+        return r * num_n + lo - base, base + cnt
+
+    @gluon.jit
+    def _next_active(t, off, end, step, num_n, rows, BM: gl.constexpr, BN: gl.constexpr,
+                     NW: gl.constexpr):
+        """The consumers' walk from active tile t to this program's next one, step (the
+        number of programs) active tiles on: returns (off, end, t) as _run_bounds defines
+        them; once the walk is over, t >= the tiles' count."""
+        p_ks, p_ke, M, N = rows
+        a = t - off + step
+        if a >= end:
+            # (as if t's row block had no active tile and `end` before it: the seek moves on
+            # from the next one)
+            zero = a * 0
+            r, base, lo, cnt = _seek(a, t // num_n, end, zero, zero, p_ks, p_ke, M, N, BM, BN,
+                                     ACTIVE=True, NW=NW)
+            off, end = _run_bounds(r, base, lo, cnt, num_n)
+        return off, end, a + off
+
+    # ---- the producer warp -------------------------------------------------------------------
+
+    @gluon.jit
+    def _fill_box(inf_smem, NW: gl.constexpr):
+        """The -inf box in shared memory that _fill_next copies out, ready for TMA."""
+        FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
+        inf_smem.store(gl.full(inf_smem.type.shape, float("-inf"), gl.float32, FILL))
+        fence_async_shared()
+        _BARRIER()               # every lane's part of the box is in before one copies it
+
+    @gluon.jit
+    def _fill_next(i, r, base, lo, cnt, rows, fill, BM: gl.constexpr, BN: gl.constexpr,
+                   NW: gl.constexpr):
+        """-inf into the i-th inactive tile (the cursor points at it), by TMA stores of the
+        -inf box in shared memory; returns the cursor moved to the (i + programs)-th.
         A TMA store clips a row at a 16-byte boundary, not at its last element, so out_desc
         ends at the last such boundary, n_4, and the columns past it (at most 3, in the last
         column block) are stored one by one."""
+        p_ks, p_ke, M, N = rows
+        out_desc, inf_smem, p_out, stride_om = fill
         FM: gl.constexpr = inf_smem.type.shape[0]
         FN: gl.constexpr = inf_smem.type.shape[1]
-        t = _tile_at(i, r, base, lo, cnt, N, BN, False)
+        t = _tile_at(i, r, base, lo, cnt, N, BN, ACTIVE=False)
         num_n = gl.cdiv(N, BN)
         m_0 = (t // num_n) * BM
         n_0 = (t % num_n) * BN
@@ -284,18 +325,20 @@ if AVAILABLE:
             gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :],
                      gl.full([BM, 4], float("-inf"), gl.float32, TAIL),
                      mask=(o_m < M)[:, None] & (o_n < N)[None, :])
-        i += step
-        r, base, lo, cnt = _seek(i, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, False, NW)
+        i += gl.num_programs(0)
+        r, base, lo, cnt = _seek(i, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, ACTIVE=False,
+                                 NW=NW)
         return i, r, base, lo, cnt
 
     @gluon.jit
-    def _gather_kv(n_0, kv_buf, off_smem, p_kv, p_block_table, p_cu_kv, N, num_reqs, n_steps,
-                   stride_kv_0, stride_kv_1, stride_bt, PAGE: gl.constexpr,
+    def _gather_kv(n_0, kv_buf, off_smem, kv_src, N, PAGE: gl.constexpr,
                    CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, ROWS_P: gl.constexpr):
-        """cp.async of the 128 paged kv rows from column n_0; returns the rows' scale offsets.
-        Each row's request is found by a binary search over cu_kv, all rows at once; the row
-        offsets go through shared memory to copies in chunks (one warp copies 32 KiB at
-        bf16 x 128, chunked to bound registers)."""
+        """cp.async of the 128 paged kv rows from column n_0; returns the rows' pages and
+        slots and which rows lie before N. Each row's request is found by a binary search over
+        cu_kv, all rows at once; the row offsets go through shared memory to copies in chunks
+        (one warp copies 32 KiB at bf16 x 128, chunked to bound registers)."""
+        (p_kv, p_kv_scale, p_block_table, p_cu_kv, num_reqs, n_steps, stride_kv_0, stride_kv_1,
+         stride_sc_0, stride_sc_1, stride_bt) = kv_src
         PN: gl.constexpr = kv_buf.type.shape[0]
         VEC: gl.constexpr = 16 // (kv_buf.dtype.primitive_bitwidth // 8)
         o_r = n_0 + gl.arange(0, PN, layout=ROWS_P)
@@ -326,108 +369,183 @@ if AVAILABLE:
         return b_page, b_slot, m_r
 
     @gluon.jit
-    def _producer(q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem, off_smem,
-                  q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale, p_block_table, p_cu_kv,
-                  p_ks, p_ke, out_desc, inf_smem, p_out, M, N, num_reqs, n_steps, stride_kv_0,
-                  stride_kv_1, stride_sc_0, stride_sc_1, stride_om, stride_bt, H: gl.constexpr,
-                  D: gl.constexpr, NC: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr,
-                  PAGE: gl.constexpr, CHUNK: gl.constexpr, KV_LOAD: gl.constexpr,
-                  TERMS: gl.constexpr, CLEAN: gl.constexpr):
-        BM: gl.constexpr = q_desc.block_type.shape[0]
+    def _load_kv_tile(j, t, num_n, kv_desc, w_desc, kv_ring, off_smem, kv_src, N,
+                      NC: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                      CHUNK: gl.constexpr, KV_LOAD: gl.constexpr):
+        """The j-th fill of the kv ring, once its buffer is free: tile t's kv rows (PN per
+        consumer; TMA for dense kv, cp.async through the block table for paged), their scales
+        (cp.async) and the weights of its rows [H, BM] (TMA). Returns the tile's first row."""
+        kv_smem, sc_smem, w_smem, kv_full, kv_empty = kv_ring
+        (p_kv, p_kv_scale, p_block_table, p_cu_kv, num_reqs, n_steps, stride_kv_0, stride_kv_1,
+         stride_sc_0, stride_sc_1, stride_bt) = kv_src
+        BM: gl.constexpr = w_smem.type.shape[2]
         PN: gl.constexpr = kv_smem.type.shape[1]
         BN: gl.constexpr = NC * PN
         NCP: gl.constexpr = kv_smem.type.shape[0] // 2
         NW: gl.constexpr = gl.num_warps()
         ROWS_P: gl.constexpr = gl.BlockedLayout([PN // (32 * NW)], [32], [NW], [0])
+        b = _wait_empty(kv_empty, j, 2)
+        n_0 = (t % num_n) * BN
+        for c in gl.static_range(NC):
+            if PAGED:
+                b_page, b_slot, m_r = _gather_kv(n_0 + c * PN, kv_smem.index(b * NCP + c),
+                                                 off_smem, kv_src, N, PAGE, CHUNK, KV_LOAD,
+                                                 ROWS_P)
+                off_sc = b_page * stride_sc_0 + b_slot * stride_sc_1
+            else:
+                o_r = n_0 + c * PN + gl.arange(0, PN, layout=ROWS_P)
+                m_r = o_r < N
+                off_sc = o_r.to(gl.int64) * stride_sc_0
+            _CP_ASYNC(sc_smem.index(b * NCP + c), p_kv_scale + off_sc, mask=m_r)
+        # The phase completes once this warp's copies have landed (the async arrive first: it
+        # raises the pending count before the arrive below could complete it).
+        async_copy.mbarrier_arrive(kv_full.index(b))
+        m_0 = (t // num_n) * BM
+        # The tile's weights [H, BM] come with its kv, on the kv barrier (the expect is the
+        # producer's arrive).
+        if PAGED:
+            mbarrier.expect(kv_full.index(b), w_desc.block_type.nbytes)
+        else:
+            mbarrier.expect(kv_full.index(b),
+                            NC * kv_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            for c in gl.static_range(NC):
+                _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
+                          kv_smem.index(b * NCP + c))
+        _TMA_LOAD(w_desc, [0, m_0], kv_full.index(b), w_smem.index(b))
+        return m_0
+
+    @gluon.jit
+    def _load_q(desc, m_0, col, s, q_ring):
+        """The s-th fill of the q ring, once its buffer is free: the [BM, D] box of desc at
+        (m_0, col), by TMA. Returns s + 1."""
+        q_smem, q_full, q_empty = q_ring
+        st = _wait_empty(q_empty, s, q_smem.type.shape[0])
+        mbarrier.expect(q_full.index(st), desc.block_type.nbytes)
+        _TMA_LOAD(desc, [m_0, col], q_full.index(st), q_smem.index(st))
+        return s + 1
+
+    @gluon.jit
+    def _producer(args, NC: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                  CHUNK: gl.constexpr, KV_LOAD: gl.constexpr, TERMS: gl.constexpr,
+                  CLEAN: gl.constexpr):
+        """The producer warp: for each of the program's active tiles, its kv rows, scales and
+        weights into the kv ring, then its q tiles (the weighted q's parts, then the heads)
+        into the q ring; with CLEAN, -inf into one inactive tile a tile, the rest at the end.
+        args: as _logits_ws_kernel names them."""
+        (descs, smem, bars, off_smem, p_kv, p_kv_scale, p_block_table, p_cu_kv, fill, rows,
+         num_reqs, n_steps, strides) = args
+        q_desc, qw_desc, kv_desc, w_desc = descs
+        q_smem, kv_smem, sc_smem, w_smem = smem
+        q_full, q_empty, kv_full, kv_empty = bars
+        q_ring = (q_smem, q_full, q_empty)
+        kv_ring = (kv_smem, sc_smem, w_smem, kv_full, kv_empty)
+        kv_src = (p_kv, p_kv_scale, p_block_table, p_cu_kv, num_reqs, n_steps) + strides
+        p_ks, p_ke, M, N = rows
+        out_desc, inf_smem, p_out, stride_om = fill
+        BM: gl.constexpr = q_desc.block_type.shape[0]
+        D: gl.constexpr = q_desc.block_type.shape[1]
+        H: gl.constexpr = w_desc.block_type.shape[0]
+        BN: gl.constexpr = NC * kv_smem.type.shape[1]
+        NW: gl.constexpr = gl.num_warps()
         num_n = gl.cdiv(N, BN)
         num_r = gl.cdiv(M, BM)
         # The active tiles (a column inside some row's [ks, ke)) counted in order, program p
         # takes the p-th, (p + programs)-th, ...: as many as any other, give or take one.
         a = gl.program_id(0)
-        zero = a * 0
-        r, base, lo, cnt = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN,
-                                 True, NW)
+        r, base, lo, cnt = _walk_start(a, p_ks, p_ke, M, N, BM, BN, ACTIVE=True, NW=NW)
         if CLEAN:
             # The other tiles get -inf, walked the same way, one a tile while there are active
             # ones, by TMA stores of a -inf box (the module's docstring says why).
-            FILL: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NW, 1], [1, 0])
-            inf_smem.store(gl.full(inf_smem.type.shape, float("-inf"), gl.float32, FILL))
-            fence_async_shared()
-            _BARRIER()               # every lane's part of the box is in before one copies it
+            _fill_box(inf_smem, NW)
             i = a
-            ri, base_i, lo_i, cnt_i = _seek(i, zero - 1, zero, zero, zero, p_ks, p_ke, M, N,
-                                            BM, BN, False, NW)
+            ri, base_i, lo_i, cnt_i = _walk_start(i, p_ks, p_ke, M, N, BM, BN, ACTIVE=False,
+                                                  NW=NW)
         s = 0
         j = 0
         while r < num_r:
-            t = _tile_at(a, r, base, lo, cnt, N, BN, True)
-            b = j % 2
-            mbarrier.wait(kv_empty.index(b), ((j // 2) & 1) ^ 1)
-            n_0 = (t % num_n) * BN
-            for c in gl.static_range(NC):
-                if PAGED:
-                    b_page, b_slot, m_r = _gather_kv(
-                        n_0 + c * PN, kv_smem.index(b * NCP + c), off_smem, p_kv,
-                        p_block_table, p_cu_kv, N, num_reqs, n_steps, stride_kv_0, stride_kv_1,
-                        stride_bt, PAGE, CHUNK, KV_LOAD, ROWS_P)
-                    off_sc = b_page * stride_sc_0 + b_slot * stride_sc_1
-                else:
-                    o_r = n_0 + c * PN + gl.arange(0, PN, layout=ROWS_P)
-                    m_r = o_r < N
-                    off_sc = o_r.to(gl.int64) * stride_sc_0
-                _CP_ASYNC(sc_smem.index(b * NCP + c), p_kv_scale + off_sc, mask=m_r)
-            # The phase completes once this warp's copies have landed (the async arrive
-            # first: it raises the pending count before the arrive below could complete it).
-            async_copy.mbarrier_arrive(kv_full.index(b))
-            m_0 = (t // num_n) * BM
-            # The tile's weights [H, BM] come with its kv, on the kv barrier (the expect is
-            # the producer's arrive).
-            if PAGED:
-                mbarrier.expect(kv_full.index(b), w_desc.block_type.nbytes)
-            else:
-                mbarrier.expect(kv_full.index(b),
-                                NC * kv_desc.block_type.nbytes + w_desc.block_type.nbytes)
-                for c in gl.static_range(NC):
-                    _TMA_LOAD(kv_desc, [n_0 + c * PN, 0], kv_full.index(b),
-                              kv_smem.index(b * NCP + c))
-            _TMA_LOAD(w_desc, [0, m_0], kv_full.index(b), w_smem.index(b))
+            t = _tile_at(a, r, base, lo, cnt, N, BN, ACTIVE=True)
+            m_0 = _load_kv_tile(j, t, num_n, kv_desc, w_desc, kv_ring, off_smem, kv_src, N,
+                                NC, PAGED, PAGE, CHUNK, KV_LOAD)
             if CLEAN:
                 if ri < num_r:
-                    i, ri, base_i, lo_i, cnt_i = _fill_next(
-                        i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, out_desc, inf_smem, p_out,
-                        stride_om, M, N, gl.num_programs(0), BM, BN, NW)
+                    i, ri, base_i, lo_i, cnt_i = _fill_next(i, ri, base_i, lo_i, cnt_i, rows,
+                                                            fill, BM, BN, NW)
             # The parts of the weighted q first (when the linear half is taken apart), then
             # the heads, all through the one ring.
             for k in gl.static_range(TERMS):
-                st = s % STAGES
-                mbarrier.wait(q_empty.index(st), ((s // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_full.index(st), qw_desc.block_type.nbytes)
-                _TMA_LOAD(qw_desc, [m_0, k * D], q_full.index(st), q_smem.index(st))
-                s += 1
+                s = _load_q(qw_desc, m_0, k * D, s, q_ring)
             for h in range(H):
-                st = s % STAGES
-                mbarrier.wait(q_empty.index(st), ((s // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_full.index(st), q_desc.block_type.nbytes)
-                _TMA_LOAD(q_desc, [m_0, h * D], q_full.index(st), q_smem.index(st))
-                s += 1
+                s = _load_q(q_desc, m_0, h * D, s, q_ring)
             a += gl.num_programs(0)
-            r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, True, NW)
+            r, base, lo, cnt = _seek(a, r, base, lo, cnt, p_ks, p_ke, M, N, BM, BN, ACTIVE=True,
+                                     NW=NW)
             j += 1
         if CLEAN:
             while ri < num_r:
-                i, ri, base_i, lo_i, cnt_i = _fill_next(
-                    i, ri, base_i, lo_i, cnt_i, p_ks, p_ke, out_desc, inf_smem, p_out,
-                    stride_om, M, N, gl.num_programs(0), BM, BN, NW)
+                i, ri, base_i, lo_i, cnt_i = _fill_next(i, ri, base_i, lo_i, cnt_i, rows, fill,
+                                                        BM, BN, NW)
             tma.store_wait(0)      # the box must outlive the copies that read it
 
+    # ---- the consumer warpgroups -------------------------------------------------------------
+
     @gluon.jit
-    def _consumer(q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full, kv_empty, p_ks,
-                  p_ke, p_out, p_row_scale, M, N, stride_om, H: gl.constexpr, NC: gl.constexpr,
-                  PART: gl.constexpr, TERMS: gl.constexpr,
+    def _linear_half(q_ring, kv_t, s, acc, b_s, p_row_scale, o_m, m_m, TERMS: gl.constexpr):
+        """row_scale * (sum_k part_k . kv) / 2 into acc, from the q ring's s-th fill on;
+        returns (acc, b_s, the next fill's index). The first part's product and the later
+        parts' are summed apart, in float32: fp8 products accumulate in reduced precision
+        relative to the running sum, so in one sum with the first part the later, smaller
+        parts would lose their low bits."""
+        q_smem, q_full, q_empty = q_ring
+        STAGES: gl.constexpr = q_smem.type.shape[0]
+        for k in gl.static_range(TERMS):
+            st = _wait_full(q_full, s, STAGES)
+            if k == 0:
+                acc = warpgroup_mma(q_smem.index(st), kv_t, acc, use_acc=False)
+            else:
+                b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=k > 1)
+            mbarrier.arrive(q_empty.index(st), count=1)
+            s += 1
+        if TERMS > 1:
+            acc += b_s
+        b_half = gl.load(p_row_scale + o_m, mask=m_m, other=0.0) * 0.5
+        return acc * b_half[:, None], b_s, s
+
+    @gluon.jit
+    def _store_tile(acc, b, t, num_n, kv_ring, rows, p_out, stride_om, o_m, m_m,
+                    NC: gl.constexpr, PART: gl.constexpr, COLS: gl.constexpr):
+        """Releases the kv ring's buffer b and stores this consumer's columns of tile t:
+        acc times the kv rows' scales inside each row's [ks, ke), -inf elsewhere."""
+        kv_smem, sc_smem, w_smem, kv_full, kv_empty = kv_ring
+        p_ks, p_ke, M, N = rows
+        PN: gl.constexpr = kv_smem.type.shape[1]
+        NCP: gl.constexpr = kv_smem.type.shape[0] // 2
+        BN: gl.constexpr = NC * PN
+        o_n = (t % num_n) * BN + PART * PN + gl.arange(0, PN, layout=COLS)
+        b_scale = sc_smem.index(b * NCP + PART).load(COLS)
+        mbarrier.arrive(kv_empty.index(b), count=1)
+        b_ks = gl.load(p_ks + o_m, mask=m_m, other=0)
+        b_ke = gl.load(p_ke + o_m, mask=m_m, other=0)
+        m_in = (o_n[None, :] >= b_ks[:, None]) & (o_n[None, :] < b_ke[:, None])
+        b_out = gl.where(m_in, acc * b_scale[None, :], float("-inf"))
+        gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :], b_out,
+                 mask=m_m[:, None] & (o_n < N)[None, :])
+
+    @gluon.jit
+    def _consumer(args, NC: gl.constexpr, PART: gl.constexpr, TERMS: gl.constexpr,
                   W_ROW: gl.constexpr):
+        """Consumer warpgroup PART of NC: columns [PART * PN, (PART + 1) * PN) of every tile
+        the producer loads, one wgmma and one weighted relu a head. args: as
+        _logits_ws_kernel names them."""
+        smem, bars, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om = args
+        q_smem, kv_smem, sc_smem, w_smem = smem
+        q_full, q_empty, kv_full, kv_empty = bars
+        q_ring = (q_smem, q_full, q_empty)
+        kv_ring = (kv_smem, sc_smem, w_smem, kv_full, kv_empty)
+        rows = (p_ks, p_ke, M, N)
         NW: gl.constexpr = gl.num_warps()
         STAGES: gl.constexpr = q_smem.type.shape[0]
         BM: gl.constexpr = q_smem.type.shape[1]
+        H: gl.constexpr = w_smem.type.shape[1]
         PN: gl.constexpr = kv_smem.type.shape[1]
         NCP: gl.constexpr = kv_smem.type.shape[0] // 2
         BN: gl.constexpr = NC * PN
@@ -442,21 +560,16 @@ if AVAILABLE:
         # The product's accumulator input is ignored (use_acc=False); passing the previous,
         # dead product lets the new one take its registers instead of holding a zero tile.
         b_s = gl.zeros([BM, PN], gl.float32, MMA)
-        # The producer's walk over the active tiles (see there), with less to carry across
-        # the product loop: tile t = a + off while a < end (the row block's last active
-        # tile + 1); once the walk is over, t >= the tiles' count.
+        # The producer's walk over the active tiles, with less to carry across the product
+        # loop (_run_bounds).
         a = gl.program_id(0)
-        zero = a * 0
-        r, base, lo, cnt = _seek(a, zero - 1, zero, zero, zero, p_ks, p_ke, M, N, BM, BN,
-                                 True, NW)
-        off = r * num_n + lo - base
-        end = base + cnt
+        r, base, lo, cnt = _walk_start(a, p_ks, p_ke, M, N, BM, BN, ACTIVE=True, NW=NW)
+        off, end = _run_bounds(r, base, lo, cnt, num_n)
         t = a + off
         s = 0
         while t < num_r * num_n:
             j = s // (H + TERMS)         # tiles done: one register less across the products
-            b = j % 2
-            mbarrier.wait(kv_full.index(b), (j // 2) & 1)
+            b = _wait_full(kv_full, j, 2)
             # Paged kv rows came through cp.async (generic proxy); wgmma reads through the
             # async proxy.
             fence_async_shared()
@@ -467,26 +580,10 @@ if AVAILABLE:
             w_heads = _reinterpret(w_smem.index(b), gl.float32, [H, BM], W_ROW)
             acc = gl.zeros([BM, PN], gl.float32, MMA)
             if TERMS > 0:
-                # The linear half, row_scale * (sum_k part_k . kv) / 2. The first part's
-                # product and the later parts' are summed apart, in float32: fp8 products
-                # accumulate in reduced precision relative to the running sum, so in one sum
-                # with the first part the later, smaller parts would lose their low bits.
-                for k in gl.static_range(TERMS):
-                    st = s % STAGES
-                    mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
-                    if k == 0:
-                        acc = warpgroup_mma(q_smem.index(st), kv_t, acc, use_acc=False)
-                    else:
-                        b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=k > 1)
-                    mbarrier.arrive(q_empty.index(st), count=1)
-                    s += 1
-                if TERMS > 1:
-                    acc += b_s
-                b_half = gl.load(p_row_scale + o_m, mask=m_m, other=0.0) * 0.5
-                acc = acc * b_half[:, None]
+                acc, b_s, s = _linear_half(q_ring, kv_t, s, acc, b_s, p_row_scale, o_m, m_m,
+                                           TERMS)
             for h in range(H):
-                st = s % STAGES
-                mbarrier.wait(q_full.index(st), (s // STAGES) & 1)
+                st = _wait_full(q_full, s, STAGES)
                 b_s = warpgroup_mma(q_smem.index(st), kv_t, b_s, use_acc=False)
                 b_w = w_heads.index(h).load(ROWS)
                 mbarrier.arrive(q_empty.index(st), count=1)
@@ -497,24 +594,9 @@ if AVAILABLE:
                 else:
                     acc += gl.maximum(b_s, 0.0) * b_w[:, None]
                 s += 1
-            o_n = (t % num_n) * BN + PART * PN + gl.arange(0, PN, layout=COLS)
-            b_scale = sc_smem.index(b * NCP + PART).load(COLS)
-            mbarrier.arrive(kv_empty.index(b), count=1)
-            b_ks = gl.load(p_ks + o_m, mask=m_m, other=0)
-            b_ke = gl.load(p_ke + o_m, mask=m_m, other=0)
-            m_in = (o_n[None, :] >= b_ks[:, None]) & (o_n[None, :] < b_ke[:, None])
-            b_out = gl.where(m_in, acc * b_scale[None, :], float("-inf"))
-            gl.store(p_out + o_m.to(gl.int64)[:, None] * stride_om + o_n[None, :], b_out,
-                     mask=m_m[:, None] & (o_n < N)[None, :])
-            a = t - off + step
-            if a >= end:
-                # (as if t's row block had no active tile and `end` before it: the seek
-                # moves on from the next one)
-                r, base, lo, cnt = _seek(a, t // num_n, end, zero, zero, p_ks, p_ke, M, N,
-                                         BM, BN, True, NW)
-                off = r * num_n + lo - base
-                end = base + cnt
-            t = a + off
+            _store_tile(acc, b, t, num_n, kv_ring, rows, p_out, stride_om, o_m, m_m, NC, PART,
+                        COLS)
+            off, end, t = _next_active(t, off, end, step, num_n, rows, BM, BN, NW)
 
     @gluon.jit
     def _logits_ws_kernel(q_desc, qw_desc, kv_desc, w_desc, out_desc, p_kv, p_kv_scale, p_ks, p_ke,
@@ -551,39 +633,31 @@ if AVAILABLE:
         for i in gl.static_range(2):
             mbarrier.init(kv_full.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=NC)
-        # (a jit function cannot be put in a variable here, so the producer is spelled twice)
+        descs = (q_desc, qw_desc, kv_desc, w_desc)
+        smem = (q_smem, kv_smem, sc_smem, w_smem)        # the rings' buffers
+        bars = (q_full, q_empty, kv_full, kv_empty)      # and their barriers
+        fill = (out_desc, inf_smem, p_out, stride_om)    # where -inf goes (with CLEAN)
+        rows = (p_ks, p_ke, M, N)
+        strides = (stride_kv_0, stride_kv_1, stride_sc_0, stride_sc_1, stride_bt)
+        # Each partition takes its values as one tuple, and its constexprs apart (a tuple held
+        # in a variable holds values only).
+        consumer_args = (smem, bars, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om)
+        producer_args = (descs, smem, bars, off_smem, p_kv, p_kv_scale, p_block_table, p_cu_kv,
+                         fill, rows, num_reqs, n_steps, strides)
+        # (a jit function cannot be put in a variable here, so the partitions are spelled out
+        # for each count of consumers)
         if NC == 2:
             gl.warp_specialize([
-                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
-                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), TERMS, W_ROW)),
-                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
-                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), TERMS, W_ROW)),
-                (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
-                             off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, out_desc, inf_smem, p_out, M,
-                             N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
-                             stride_sc_1, stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
-                             CHUNK, KV_LOAD, TERMS, CLEAN)),
+                (_consumer, (consumer_args, NC, gl.constexpr(0), TERMS, W_ROW)),
+                (_consumer, (consumer_args, NC, gl.constexpr(1), TERMS, W_ROW)),
+                (_producer, (producer_args, NC, PAGED, PAGE, CHUNK, KV_LOAD, TERMS, CLEAN)),
             ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
-                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
-                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(0), TERMS, W_ROW)),
-                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
-                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(1), TERMS, W_ROW)),
-                (_consumer, (q_smem, kv_smem, sc_smem, w_smem, q_full, q_empty, kv_full,
-                             kv_empty, p_ks, p_ke, p_out, p_row_scale, M, N, stride_om, H, NC,
-                             gl.constexpr(2), TERMS, W_ROW)),
-                (_producer, (q_desc, qw_desc, kv_desc, w_desc, q_smem, kv_smem, sc_smem, w_smem,
-                             off_smem, q_full, q_empty, kv_full, kv_empty, p_kv, p_kv_scale,
-                             p_block_table, p_cu_kv, p_ks, p_ke, out_desc, inf_smem, p_out, M,
-                             N, num_reqs, n_steps, stride_kv_0, stride_kv_1, stride_sc_0,
-                             stride_sc_1, stride_om, stride_bt, H, D, NC, STAGES, PAGED, PAGE,
-                             CHUNK, KV_LOAD, TERMS, CLEAN)),
+                (_consumer, (consumer_args, NC, gl.constexpr(0), TERMS, W_ROW)),
+                (_consumer, (consumer_args, NC, gl.constexpr(1), TERMS, W_ROW)),
+                (_consumer, (consumer_args, NC, gl.constexpr(2), TERMS, W_ROW)),
+                (_producer, (producer_args, NC, PAGED, PAGE, CHUNK, KV_LOAD, TERMS, CLEAN)),
             ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
 
 

@@ -20,13 +20,12 @@ that bin's entries are examined further. One persistent program works on one row
    each end. From these exact counts a suffix sum gives the threshold bin b* (the last bin
    whose suffix holds >= k entries) and the number of entries above it. With ``sampled``
    (the default) the pass also collects every entry at or above the window's floor, as a
-   (key, index) pair, into the program's list in scratch (~3,000 for a 65,536-entry row with
-   the defaults). If b* lies at or above the floor and the list held them all, the list
-   has b* and everything above it: one read (``PATH_SAMPLED``; ~99.9% of normal rows).
+   (key, index) pair, into the program's list in scratch. If b* lies at or above the floor
+   and the list held them all, the list has b* and everything above it: one read
+   (``PATH_SAMPLED``; most rows of normal logits).
 5. Otherwise pass 2 (read 2, from the row's end, so that it starts on what pass 1 left in
    L2) collects every entry whose key is at least b*'s lower edge: fewer than k above b*
-   plus b*'s own entries (~500-900 for a 65,536-entry row of normal, uniform, exponential
-   or log-normal values) (``PATH_RADIX``).
+   plus b*'s own entries (``PATH_RADIX``).
 6. Select, from the list: entries above b* go to the output; b*'s entries are compacted to
    the list's front (those below b* dropped) and narrowed by 32-bin histograms on their keys
    (5 bits a round, no bisection) to the exact threshold key T and the number of its ties
@@ -39,21 +38,19 @@ that bin's entries are examined further. One persistent program works on one row
    for any input without NaNs, only slower.
 
 Why pass 1 does not use ``tl.histogram`` with 2048 bins (the digit of an 11-bit radix pass):
-in Triton 3.6, what the H200 runs, it lowers to one warp ballot per bin-index bit plus one
-popcount per bin owned by each lane: ~270 instructions an entry at 2048 bins, 64 of them
-popcounts, which issue at 16 a clock per SM, so one pass over 4096 x 65536 entries would take
-~4 ms (at 64 bins it is still ~45 instructions an entry). Triton 3.9 lowers it to one
-shared-memory atomic per entry, but the kernel must be fast on 3.6. So pass 1 counts, per
-thread, into 8 byte-wide fields of one int64: adding ``1 << 8 bin`` is two instructions an
+Triton releases that lower it to one warp ballot per bin-index bit plus one popcount per bin
+owned by each lane make it hundreds of instructions an entry (and still dozens at 64 bins),
+and the kernel must be fast on those too. So pass 1 counts, per thread, into 8 byte-wide
+fields of one int64: adding ``1 << 8 bin`` is two instructions an
 entry, about 12 in all with the bin's computation; the fields are widened to 16 bits once a
 block and summed across the threads once a row. Eight bins are coarse; the sample window is
 what makes them land around the threshold. ``tl.histogram`` is still used where few keys go
 through it (the sample and the candidate rounds).
 
-Why the rest looks the way it does. The previous kernel (a sample bracket, then 32-step
-bisections of block reductions) was latency-bound at 2 programs an SM. Here pass 1 has no
-step across threads until the row's end, pass 2 one scan and one sum a block, the selection
-a few dozen, and registers (128 a thread on Triton 3.6, capped by ``programs_per_sm``) leave
+Why the rest looks the way it does. A kernel whose steps are block-wide reductions is
+latency-bound at the few programs an SM that its registers allow. Here pass 1 has no step
+across threads until the row's end, pass 2 one scan and one sum a block, the selection a few
+dozen, and registers (capped by ``programs_per_sm``: 128 a thread at the default 4) leave
 room for 4 programs of 4 warps an SM, so that one program's serial selection overlaps the
 others' streaming. The passes' loads are unmasked 16-byte vectors except in two edge
 blocks, pipelined through shared memory (cp.async). Per block, what would be a block-wide
@@ -61,6 +58,9 @@ scan runs as per-thread work plus one scan of a count per thread (which is why t
 not in index order, and why the selection breaks ties by index itself). When the bins lie
 above zero (the usual case for top-k logits) both passes compare the raw float bits as
 integers, which order the same as the keys there, and skip the key transform.
+
+The figures behind these choices and behind ``TopkConfig``'s defaults (list sizes, rates, the
+histogram's lowering): ``docs/indexer-kernels.md``.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _bin_counts(b_bits, base, shift, KEYS: tl.constexpr, BLOCK: tl.constexpr,
     b_key = b_bits
     if KEYS:
         b_key = _float_key(b_bits)
-    b_fld = _bin(b_key, base, shift, PASS_BINS) * 8
+    b_fld = _bin(b_key, base, shift, NB=PASS_BINS) * 8
     b_one = tl.full([BLOCK], 1, tl.int64) << b_fld.to(tl.int64)
     return tl.sum(tl.sum(tl.reshape(b_one, [BLOCK // (4 * T), T, 4]), 2), 0)
 
@@ -312,10 +312,10 @@ def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS: tl.constexpr, CAP
         tl.static_assert(R == 4, "a pass-2 block is 1, 2 or 4 vectors of 4 a thread")
         ka, kb = _halves(b_key, BLOCK)
         ia, ib = _halves(b_idx, BLOCK)
-        kaa, kab = _halves(ka, BLOCK // 2)
-        kba, kbb = _halves(kb, BLOCK // 2)
-        iaa, iab = _halves(ia, BLOCK // 2)
-        iba, ibb = _halves(ib, BLOCK // 2)
+        kaa, kab = _halves(ka, B=BLOCK // 2)
+        kba, kbb = _halves(kb, B=BLOCK // 2)
+        iaa, iab = _halves(ia, B=BLOCK // 2)
+        iba, ibb = _halves(ib, B=BLOCK // 2)
         b_cnt = (_piece_count(kaa, thr, T) + _piece_count(kab, thr, T)
                  + _piece_count(kba, thr, T) + _piece_count(kbb, thr, T))
         o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
@@ -393,8 +393,8 @@ def _sample_window(p_row, length, row, K: tl.constexpr, RUNS: tl.constexpr,
     lo = tl.min(b_key).to(tl.int64)
     hi = tl.max(b_key).to(tl.int64)
     for _ in tl.static_range(3):
-        sh = _shift_for(hi - lo, ROUND_BINS)
-        b_bin = _bin(b_key, lo.to(tl.int32), sh, ROUND_BINS).to(tl.int32)
+        sh = _shift_for(hi - lo, BOUND=ROUND_BINS)
+        b_bin = _bin(b_key, lo.to(tl.int32), sh, NB=ROUND_BINS).to(tl.int32)
         c = tl.cumsum(tl.histogram(b_bin, ROUND_BINS), 0, reverse=True)
         pk = tl.sum((c >= need_a).to(tl.int32) + ((c >= need_b).to(tl.int32) << 16))
         ja = (pk & 0xFFFF) - 1
@@ -416,7 +416,7 @@ def _narrow(p_list, n_c, lo, hi, need, n_live, t, BY_INDEX: tl.constexpr,
     # Each round cuts [lo, hi] at least 16-fold: 8 rounds cover any 32-bit range.
     for _ in tl.range(0, 8, disable_licm=True):
         if lo < hi:
-            sh = _shift_for(hi - lo, ROUND_BINS)
+            sh = _shift_for(hi - lo, BOUND=ROUND_BINS)
             h = tl.zeros([ROUND_BINS], tl.int32)
             for c0 in range(0, n_c, CHUNK):
                 o_c = c0 + tl.arange(0, CHUNK)
@@ -428,7 +428,7 @@ def _narrow(p_list, n_c, lo, hi, need, n_live, t, BY_INDEX: tl.constexpr,
                 else:
                     b_v = (b_pair >> 32).to(tl.int32)
                 m_c = m_c & (b_v >= lo) & (b_v <= hi)
-                b_bin = _bin(b_v, lo.to(tl.int32), sh, ROUND_BINS).to(tl.int32)
+                b_bin = _bin(b_v, lo.to(tl.int32), sh, NB=ROUND_BINS).to(tl.int32)
                 h += tl.histogram(b_bin, ROUND_BINS, mask=m_c)
             c = tl.cumsum(h, 0, reverse=True)
             jb = tl.sum((c >= need).to(tl.int32)) - 1
@@ -483,12 +483,12 @@ def _select(p_row, p_list, p_dst, length, n_list, n_above, lo_bin, hi_bin, direc
     # B: the threshold key t among the candidates, how many of its ties the top K takes
     # (need) and how many there are (n_tie); if not all, the index cut that takes the lowest.
     t, need, n_tie = _narrow(p_list, n_c, c_min.to(tl.int64), c_max.to(tl.int64),
-                             K - n_above, n_c, 0, False, CHUNK)
+                             K - n_above, n_c, 0, BY_INDEX=False, CHUNK=CHUNK)
     t = t.to(tl.int32)
     i_cut = n_list * 0 + INT32_MAX
     if n_tie > need:
         m_i, _, _ = _narrow(p_list, n_c, (1 - length).to(tl.int64), (length * 0).to(tl.int64),
-                            need, n_tie, t, True, CHUNK)
+                            need, n_tie, t, BY_INDEX=True, CHUNK=CHUNK)
         i_cut = -m_i.to(tl.int32)
     # C: candidates above t and the ties at t up to the index cut.
     n_w = n_list * 0
@@ -502,6 +502,84 @@ def _select(p_row, p_list, p_dst, length, n_list, n_above, lo_bin, hi_bin, direc
         tl.store(p_dst + n_above + n_w + b_csum - 1, b_idx, mask=b_take)
         n_w += tl.sum(b_take.to(tl.int32))
     tl.debug_barrier()  # the next row rewrites the list
+
+
+@triton.jit
+def _threshold_bin(p_base, p_list, ks, ke, length, lo, hi, path, n_list, n_above, j,
+                   K: tl.constexpr, CAND: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr,
+                   STAGES: tl.constexpr, SAMPLED: tl.constexpr):
+    """Steps 4 and 7: pass 1, its bins spread over [lo, hi] (the sample's window, then the
+    threshold bin), until the threshold bin b* holds at most CAND entries or is a single key.
+    Returns b*'s key range (lo, hi), the count of entries at or above it (c_bin) and above it
+    (n_above), the passes taken, and path and n_list: PATH_SAMPLED and the list's length
+    where the first pass collected b* and everything above it (else as given)."""
+    n_pass = length * 0
+    c_bin = length * 0
+    done = length * 0
+    # A pass cuts [lo, hi] at least 3-fold: 22 passes reach a single key from any
+    # range, so the loop never ends with done == 0.
+    for _ in tl.range(0, 32, disable_licm=True):
+        if done == 0:
+            # Spread the pass's inner bins over [lo, hi]: bin 1 starts at lo and bin
+            # PASS_BINS-1 (open above) past hi.
+            shift = _shift_for(hi - lo, BOUND=PASS_BINS - 2)
+            base = tl.maximum(lo - (tl.full([], 1, tl.int64) << shift), INT32_MIN)
+            # the first pass also collects bins 1 and up (entries >= thr)
+            thr = (base + (tl.full([], 1, tl.int64) << shift)).to(tl.int32)
+            base = base.to(tl.int32)
+            n_col = length * 0 + INT32_MAX
+            if SAMPLED & (n_pass == 0):
+                h, n_col = _pass_1(p_base, ks, ke, base, shift, thr, p_list, COLLECT=True,
+                                   CAP=CAND, BLOCK=BLOCK, T=T, STAGES=STAGES)
+            else:
+                h, _ = _pass_1(p_base, ks, ke, base, shift, thr, p_list, COLLECT=False,
+                               CAP=CAND, BLOCK=BLOCK, T=T, STAGES=STAGES)
+            h = tl.where(j == 0, h - (tl.sum(h) - length), h)  # masked lanes: bin 0
+            c = tl.cumsum(h, 0, reverse=True)
+            b = tl.sum((c >= K).to(tl.int32)) - 1
+            pk = tl.sum(tl.where(j == b, (c.to(tl.int64) << 32) | h.to(tl.int64), 0))
+            c_bin = (pk >> 32).to(tl.int32)
+            n_above = c_bin - (pk & 0xFFFFFFFF).to(tl.int32)
+            # No valid key is INT32_MIN (bits -1 are a NaN), so INT32_MIN + 1 bounds
+            # them all from below and keeps the masked lanes out of pass 2.
+            lo = tl.where(b == 0, INT32_MIN + 1, base + (b.to(tl.int64) << shift))
+            hi = tl.where(b == PASS_BINS - 1, INT32_MAX,
+                          tl.minimum(base + ((b + 1).to(tl.int64) << shift) - 1,
+                                     INT32_MAX))
+            n_pass += 1
+            done = ((c_bin <= CAND) | (lo == hi)).to(tl.int32)
+            if (b > 0) & (n_col <= CAND):
+                # The threshold bin lies in what the pass collected: no pass 2.
+                path = length * 0 + _SAMPLED
+                n_list = n_col
+                done = length * 0 + 1
+    return lo, hi, c_bin, n_above, n_pass, path, n_list
+
+
+@triton.jit
+def _pass_1(p_base, ks, ke, base, shift, thr, p_list, COLLECT: tl.constexpr,
+            CAP: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, STAGES: tl.constexpr):
+    """_hist_pass on the raw bits where every bin lies at or above zero (the same order as
+    the keys there, without the key transform), else on the keys."""
+    if base >= 0:
+        h, n_col = _hist_pass(p_base, ks, ke, base, shift, thr, p_list, KEYS=False,
+                              COLLECT=COLLECT, CAP=CAP, BLOCK=BLOCK, T=T, STAGES=STAGES)
+    else:
+        h, n_col = _hist_pass(p_base, ks, ke, base, shift, thr, p_list, KEYS=True,
+                              COLLECT=COLLECT, CAP=CAP, BLOCK=BLOCK, T=T, STAGES=STAGES)
+    return h, n_col
+
+
+@triton.jit
+def _pass_2(p_base, ks, ke, thr, p_list, CAP: tl.constexpr, BLOCK: tl.constexpr,
+            T: tl.constexpr, STAGES: tl.constexpr):
+    """_collect_pass on the raw bits where thr >= 0 (as in _pass_1), else on the keys."""
+    if thr >= 0:
+        _collect_pass(p_base, ks, ke, thr, p_list, KEYS=False, CAP=CAP, BLOCK=BLOCK, T=T,
+                      STAGES=STAGES)
+    else:
+        _collect_pass(p_base, ks, ke, thr, p_list, KEYS=True, CAP=CAP, BLOCK=BLOCK, T=T,
+                      STAGES=STAGES)
 
 
 @triton.jit
@@ -547,73 +625,26 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
             path = length * 0 + _DIRECT
         else:
             lo, hi = _sample_window(p_row, length, row, K, RUNS, RUN, Z)
-            n_pass = length * 0
-            c_bin = length * 0
-            done = length * 0
-            # A pass cuts [lo, hi] at least 3-fold: 22 passes reach a single key from any
-            # range, so the loop never ends with done == 0.
-            for _ in tl.range(0, 32, disable_licm=True):
-                if done == 0:
-                    # Spread the pass's inner bins over [lo, hi]: bin 1 starts at lo and bin
-                    # PASS_BINS-1 (open above) past hi.
-                    shift = _shift_for(hi - lo, PASS_BINS - 2)
-                    base = tl.maximum(lo - (tl.full([], 1, tl.int64) << shift), INT32_MIN)
-                    # the first pass also collects bins 1 and up (entries >= thr)
-                    thr = (base + (tl.full([], 1, tl.int64) << shift)).to(tl.int32)
-                    base = base.to(tl.int32)
-                    n_col = length * 0 + INT32_MAX
-                    if SAMPLED & (n_pass == 0):
-                        if base >= 0:
-                            h, n_col = _hist_pass(p_base, ks, ke, base, shift, thr, p_list,
-                                                  False, True, CAND, BLOCK, T, STAGES)
-                        else:
-                            h, n_col = _hist_pass(p_base, ks, ke, base, shift, thr, p_list,
-                                                  True, True, CAND, BLOCK, T, STAGES)
-                    elif base >= 0:
-                        h, _ = _hist_pass(p_base, ks, ke, base, shift, thr, p_list, False,
-                                          False, CAND, BLOCK, T, STAGES)
-                    else:
-                        h, _ = _hist_pass(p_base, ks, ke, base, shift, thr, p_list, True,
-                                          False, CAND, BLOCK, T, STAGES)
-                    h = tl.where(j == 0, h - (tl.sum(h) - length), h)  # masked lanes: bin 0
-                    c = tl.cumsum(h, 0, reverse=True)
-                    b = tl.sum((c >= K).to(tl.int32)) - 1
-                    pk = tl.sum(tl.where(j == b, (c.to(tl.int64) << 32) | h.to(tl.int64), 0))
-                    c_bin = (pk >> 32).to(tl.int32)
-                    n_above = c_bin - (pk & 0xFFFFFFFF).to(tl.int32)
-                    # No valid key is INT32_MIN (bits -1 are a NaN), so INT32_MIN + 1 bounds
-                    # them all from below and keeps the masked lanes out of pass 2.
-                    lo = tl.where(b == 0, INT32_MIN + 1, base + (b.to(tl.int64) << shift))
-                    hi = tl.where(b == PASS_BINS - 1, INT32_MAX,
-                                  tl.minimum(base + ((b + 1).to(tl.int64) << shift) - 1,
-                                             INT32_MAX))
-                    n_pass += 1
-                    done = ((c_bin <= CAND) | (lo == hi)).to(tl.int32)
-                    if (b > 0) & (n_col <= CAND):
-                        # The threshold bin lies in what the pass collected: no pass 2.
-                        path = length * 0 + _SAMPLED
-                        n_list = n_col
-                        done = length * 0 + 1
+            lo, hi, c_bin, n_above, n_pass, path, n_list = _threshold_bin(
+                p_base, p_list, ks, ke, length, lo, hi, path, n_list, n_above, j, K=K,
+                CAND=CAND, BLOCK=BLOCK, T=T, STAGES=STAGES, SAMPLED=SAMPLED)
             if path == _SAMPLED:
                 do_select = length > 0
                 lo_bin = lo.to(tl.int32)
                 hi_bin = hi.to(tl.int32)
             elif c_bin <= CAND:
-                thr = lo.to(tl.int32)
-                if thr >= 0:
-                    _collect_pass(p_base, ks, ke, thr, p_list, False, CAND, BLOCK2, T2, STAGES)
-                else:
-                    _collect_pass(p_base, ks, ke, thr, p_list, True, CAND, BLOCK2, T2, STAGES)
+                _pass_2(p_base, ks, ke, lo.to(tl.int32), p_list, CAP=CAND, BLOCK=BLOCK2, T=T2,
+                        STAGES=STAGES)
                 do_select = length > 0
                 n_list = c_bin
                 hi_bin = hi.to(tl.int32)
                 path = length * 0 + tl.where(n_pass == 1, _RADIX, _REFINED)
             else:
-                _ties_pass(p_base, ks, ke, lo.to(tl.int32), n_above, p_dst, K, BLOCK2)
+                _ties_pass(p_base, ks, ke, lo.to(tl.int32), n_above, p_dst, K=K, BLOCK=BLOCK2)
                 path = length * 0 + _TIES
         if do_select:
-            _select(p_row, p_list, p_dst, length, n_list, n_above, lo_bin, hi_bin, direct, K,
-                    CHUNK)
+            _select(p_row, p_list, p_dst, length, n_list, n_above, lo_bin, hi_bin, direct, K=K,
+                    CHUNK=CHUNK)
         if WITH_PATH:
             tl.store(p_path + row, path.to(tl.int8))
 
@@ -634,11 +665,10 @@ class TopkConfig:
     all fit; ``sampled``: pass 1 also collects what lies above the sample's window, so that
     most rows need no pass 2.
 
-    The defaults, on an H200 over [4096, 65536] normal logits, k = 2048 (benchmarks/
-    RESULTS.md): a 2048-entry sample takes one read for 99.9% of the rows, 0.67 ms against
-    0.73 with a 1024-entry one (whose longer lists cost the selection more) and 0.74-0.77 with
-    two reads. Causal rows (half as long on average) take 0.53 ms sampled against 0.47 with two
-    reads: the shorter the row, the larger the list's share of the work."""
+    The defaults are the fastest of the benchmark's A/B runs over [4096, 65536] normal
+    logits at k = 2048 (docs/indexer-kernels.md): a 1024-entry sample's longer lists cost the
+    selection more than the larger sample costs, and one read beats two on full rows. On
+    shorter rows (causal) the list's share of the work grows, and two reads can be faster."""
     block: int = 2048
     collect_block: int = 1024
     cand: int = 4096
@@ -716,9 +746,9 @@ def default_config(k: int, device: str = "cuda") -> TopkConfig:
 
 
 def sweep_configs(k: int) -> list[TopkConfig]:
-    """Candidates for a GPU sweep (the first is the default); each compiles for sm_90 with no
-    spills in the row passes under its register cap on Triton 3.6 and 3.9
-    (tests/test_indexer_compile.py)."""
+    """Candidates for a GPU sweep (the first is the default); tests/test_indexer_compile.py
+    checks that each compiles for sm_90 with no spills in the row passes under its register
+    cap."""
     base = default_config(k)
     return [base,
             replace(base, sampled=False),
