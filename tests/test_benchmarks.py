@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_indexer_smoke_reports_every_section(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "indexer.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_indexer.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_indexer.py"),
                            "--smoke", "--json", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -36,7 +36,7 @@ def test_bench_indexer_smoke_reports_every_section(tmp_path):
 
 
 def _bench_module(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "indexer" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -117,7 +117,7 @@ def test_bench_linear_terms_says_what_it_needs_without_an_sm90_gpu():
     import torch
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("an sm_90 GPU is here: the benchmark would run")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_linear_terms.py")],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_linear_terms.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "needs an sm_90 GPU" in proc.stderr
@@ -129,7 +129,7 @@ def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
     its one-read path on some rows."""
     pytest.importorskip("rich")
     out = tmp_path / "topk.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_topk.py"), "--smoke",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_topk.py"), "--smoke",
                            "--rounds", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

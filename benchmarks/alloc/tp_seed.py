@@ -17,14 +17,14 @@ the sampled rows' indices a true top-k of the float64 indexer logits (tie-aware 
 
 One command runs everything a machine allows, each run a fresh set of processes::
 
-    python benchmarks/tp_seed.py --json tp.json      # GPUs: arena and default on min(2, GPUs)
+    python benchmarks/alloc/tp_seed.py --json tp.json      # GPUs: arena and default on min(2, GPUs)
                                                      # ranks, plus a one-GPU reference run
-    python benchmarks/tp_seed.py --allocators none --nproc-per-node 2 [small shapes]   # CPU, gloo
+    python benchmarks/alloc/tp_seed.py --allocators none --nproc-per-node 2 [small shapes]   # CPU, gloo
 
 One run, as the orchestrator starts it (also under torchrun)::
 
-    python -m tp.launch --nproc-per-node 2 --allocator arena benchmarks/tp_seed.py --json r.json
-    torchrun --nproc-per-node 2 -m tp.launch --allocator arena benchmarks/tp_seed.py --json r.json
+    python -m tp.launch --nproc-per-node 2 --allocator arena benchmarks/alloc/tp_seed.py --json r.json
+    torchrun --nproc-per-node 2 -m tp.launch --allocator arena benchmarks/alloc/tp_seed.py --json r.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -4,7 +4,7 @@ weights, static KV cache) whose decode step is captured as a CUDA graph and repl
 PyTorch's default allocator, expandable segments and the arena (process scope), each in a fresh
 process, the allocators alternated round after round (A B C A B C).
 
-    python benchmarks/bench_decode_graphs.py [--layers 8] [--batch 8] [--prompt 512] [--new 256]
+    python benchmarks/alloc/bench_decode_graphs.py [--layers 8] [--batch 8] [--prompt 512] [--new 256]
                                              [--rounds 2] [--json FILE]
 """
 
@@ -44,7 +44,7 @@ def static_cache(config, batch: int, length: int):
 def seed_prefill(args, workspace) -> int:
     """The seed workload's workspaces; returns the device bytes taken at its end."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
     from seed_workload import TOPK, workload
     free0 = torch.cuda.mem_get_info()[0]
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -2,8 +2,8 @@
 """Sustained throughput of the indexer logits against the matrix-product ceilings, with the SM
 clock and board power sampled while each runs.
 
-    python benchmarks/bench_clocks.py [--seconds 4] [--json FILE]
-    python benchmarks/bench_clocks.py --launch fp8 --launches 3     # for a profiler (ncu)
+    python benchmarks/indexer/bench_clocks.py [--seconds 4] [--json FILE]
+    python benchmarks/indexer/bench_clocks.py --launch fp8 --launches 3     # for a profiler (ncu)
 
 ``bench_indexer.py`` times short bursts (``do_bench``); a GPU held at its power limit lowers its
 clock within a second or two, and by a different amount for each kernel. This program runs each
@@ -17,7 +17,7 @@ each logits kernel in its default config.
 ``--launch DTYPE`` instead runs the logits kernel ``--launches`` times and exits, for a profiler:
 
     ncu --clock-control none --kernel-name regex:_logits_ws --launch-skip 1 --launch-count 1 \\
-        --section WarpStateStats --section SourceCounters python benchmarks/bench_clocks.py \\
+        --section WarpStateStats --section SourceCounters python benchmarks/indexer/bench_clocks.py \\
         --launch fp8 --launches 3
 """
 
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -3,7 +3,7 @@
 (``HopperConfig.linear_terms``), side by side: speed and accuracy, fp8 and bf16, at 64, 32 and
 16 heads.
 
-    python benchmarks/bench_linear_terms.py [--rounds 3] [--json FILE]
+    python benchmarks/indexer/bench_linear_terms.py [--rounds 3] [--json FILE]
 
 Per (dtype, H): each config's TFLOP/s (median of ``--rounds`` ``do_bench`` rounds, full rows,
 M = 4096, N = 65536, D = 128) beside the product ceiling measured in the same rounds, and its
@@ -21,8 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "benchmarks" / "indexer"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

@@ -5,7 +5,7 @@ path; "arena" maps pages where the driver can, "arena-regions" is expandable:off
 workspace scope (PyTorch serves the model; the pool waits beside it), each in a fresh process, the
 allocators alternated round after round (A B C D E A B C D E).
 
-    python benchmarks/bench_llama.py [--layers 12] [--batch 8] [--prompt 512] [--new 256]
+    python benchmarks/alloc/bench_llama.py [--layers 12] [--batch 8] [--prompt 512] [--new 256]
                                      [--rounds 2] [--json FILE]
 """
 

@@ -2,8 +2,8 @@
 """Top-k configs side by side against ``torch.topk``: the sampled pass 1 (one read for most rows)
 against two reads, and the sample's size.
 
-    python benchmarks/bench_topk.py [--rounds 5] [--json FILE]
-    python benchmarks/bench_topk.py --smoke      # toy sizes on the CPU (Triton interpreter)
+    python benchmarks/indexer/bench_topk.py [--rounds 5] [--json FILE]
+    python benchmarks/indexer/bench_topk.py --smoke      # toy sizes on the CPU (Triton interpreter)
 
 Per row kind (full rows, and causal rows with ``-inf`` past each row's end for ``torch.topk``):
 each config's median ms over ``--rounds`` interleaved ``do_bench`` rounds on the same normal
@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "benchmarks" / "indexer"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

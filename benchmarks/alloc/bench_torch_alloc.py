@@ -1,7 +1,7 @@
 """torch.empty + del of mixed sizes (4 KiB to 16 MiB), steady state, under each allocator in a
 fresh process: the cost every tensor of a serving process pays.
 
-    python benchmarks/bench_torch_alloc.py [--iters N] [--repeats R] [--json FILE]
+    python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--repeats R] [--json FILE]
 """
 
 import argparse

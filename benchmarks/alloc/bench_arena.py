@@ -4,7 +4,7 @@ arena without them (one lock for every operation), the plugin's process-scope ge
 memory (what PyTorch's calls reach, minus PyTorch), and glibc malloc/free, all in the same run, and
 whether the goals of issue 19 are met (they are about the arena with thread caches).
 
-    python benchmarks/bench_arena.py [--pairs N] [--repeats R] [--thread-cache-mib M] [--json FILE]
+    python benchmarks/alloc/bench_arena.py [--pairs N] [--repeats R] [--thread-cache-mib M] [--json FILE]
                                      [--require-goals]
 
 Goals: one thread at most 50 ns per pair; four threads at most 2.0x glibc's time per pair. Each
@@ -29,7 +29,7 @@ import tempfile
 from rich.console import Console
 from rich.table import Table
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 ONE_THREAD_NS = 50.0
 FOUR_THREADS_RATIO = 2.0
 ALLOCATORS = ("arena", "locked", "plugin", "malloc")
@@ -42,7 +42,7 @@ def compiler() -> list[str]:
 def build(out: pathlib.Path) -> pathlib.Path:
     exe = out / "bench_arena"
     subprocess.run([*compiler(), "-O2", "-std=gnu11", "-pthread", f"-I{ROOT / 'csrc'}",
-                    str(ROOT / "benchmarks" / "bench_arena.c"),
+                    str(ROOT / "benchmarks" / "alloc" / "bench_arena.c"),
                     *map(str, sorted((ROOT / "csrc").glob("*.c"))), "-ldl", "-o", str(exe)], check=True)
     return exe
 

@@ -8,7 +8,7 @@ side by side, the device memory taken (cudaMemGetInfo delta from the first alloc
 allocator's device calls and the wall time. Without one, the workspace runs on the host-backed
 arena (the same C core over host memory) beside the fit check's model of PyTorch's allocator.
 
-    python benchmarks/seed_workload.py [--allocators default,expandable,cuda-async,arena,arena-workspace]
+    python examples/seed_workload.py [--allocators default,expandable,cuda-async,arena,arena-workspace]
                                        [--prompt-tokens N] [--json FILE]
 """
 

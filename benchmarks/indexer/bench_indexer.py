@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark of the indexer's prefill path on one GPU (written for an H200).
 
-    python benchmarks/bench_indexer.py --json results.json
+    python benchmarks/indexer/bench_indexer.py --json results.json
 
 Prints one table and writes it as JSON:
 
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
