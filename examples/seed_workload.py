@@ -15,6 +15,7 @@ arena (the same C core over host memory) beside the fit check's model of PyTorch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -43,7 +44,7 @@ def run_on_gpu(args) -> dict:
     scope = allocators.install(args.worker, alloc.Config(budget_mb=args.budget_mb))
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
-    workspace = alloc.workspace if scope else _no_scope
+    workspace = alloc.workspace if scope else contextlib.nullcontext
 
     def device_calls() -> int:
         if scope == "process":
@@ -80,14 +81,6 @@ def run_on_gpu(args) -> dict:
         out["workspace_device_calls"] = stats["arena.workspace.backend_reserves"]
         out["workspace_capacity"] = stats["arena.workspace.capacity"]
     return out
-
-
-class _no_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def compare_on_gpu(args) -> list[dict]:
