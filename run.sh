@@ -39,6 +39,6 @@ if [ ! -e "$stamp" ]; then
 fi
 
 case "$job" in
-  main) exec "$py" benchmarks/seed_workload.py "$@" ;;
+  main) exec "$py" examples/seed_workload.py "$@" ;;
   tests) exec "$py" -m pytest -q "$@" ;;
 esac

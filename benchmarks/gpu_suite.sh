@@ -8,7 +8,7 @@
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
 # runs tests-graphs four at a time, each test being its own process anyway)
-# (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/tp_seed.py)
+# (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/alloc/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST="${OUT:-gpu-out}"
@@ -57,18 +57,18 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
                     "tests/test_indexer_gpu.py::test_prefill_same_indices_with_and_without_the_arena" ;;
     tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer_gpu.py ;;
     alloc-bench)
-      step seed_workload $py benchmarks/seed_workload.py --json "$OUT/seed_workload.json"
-      step torch_alloc $py benchmarks/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
-      step llama $py benchmarks/bench_llama.py --json "$OUT/llama.json"
-      step arena_micro $py benchmarks/bench_arena.py --pairs 1000000 --repeats 5 --json "$OUT/arena_micro.json" ;;
-    decode-graphs) step decode_graphs $py benchmarks/bench_decode_graphs.py --json "$OUT/decode_graphs.json" ;;
-    indexer) step indexer_bench $py benchmarks/bench_indexer.py --json "$OUT/indexer.json" ;;
-    indexer-goals) step indexer_goals $py benchmarks/bench_indexer.py --no-sweep \
+      step seed_workload $py examples/seed_workload.py --json "$OUT/seed_workload.json"
+      step torch_alloc $py benchmarks/alloc/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
+      step llama $py benchmarks/alloc/bench_llama.py --json "$OUT/llama.json"
+      step arena_micro $py benchmarks/alloc/bench_arena.py --pairs 1000000 --repeats 5 --json "$OUT/arena_micro.json" ;;
+    decode-graphs) step decode_graphs $py benchmarks/alloc/bench_decode_graphs.py --json "$OUT/decode_graphs.json" ;;
+    indexer) step indexer_bench $py benchmarks/indexer/bench_indexer.py --json "$OUT/indexer.json" ;;
+    indexer-goals) step indexer_goals $py benchmarks/indexer/bench_indexer.py --no-sweep \
                      --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;
-    topk) step topk_bench $py benchmarks/bench_topk.py --json "$OUT/topk.json" ;;
-    tp) step tp_seed $py benchmarks/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
+    topk) step topk_bench $py benchmarks/indexer/bench_topk.py --json "$OUT/topk.json" ;;
+    tp) step tp_seed $py benchmarks/alloc/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     replay)
-      step report_example $py benchmarks/report_example.py "$OUT/report"
+      step report_example $py examples/report_example.py "$OUT/report"
       step replay $py -m arena_tools replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;
     *) echo "unknown stage $stage"; status=1 ;;
   esac

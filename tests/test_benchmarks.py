@@ -1,8 +1,8 @@
-"""The GPU benchmarks' host-side parts, on the CPU: the indexer benchmark end to end at toy sizes
-(its --smoke mode, under the Triton interpreter), the clock benchmark's reading of nvidia-smi
-samples, and the linear-terms benchmark's refusal to run without an sm_90 GPU. Their figures mean
-nothing here; what is checked is that the programs run and report what RESULTS.md quotes from
-them."""
+"""The GPU benchmarks' host-side parts, on the CPU: the shared harness (a fresh process per
+allocator, rounds alternated, the parent's flags forwarded), the indexer benchmark end to end at
+toy sizes (its --smoke mode, under the Triton interpreter), its config texts, and the
+linear-terms benchmark's refusal to run without an sm_90 GPU. Their figures mean nothing here;
+what is checked is that the programs run and report what RESULTS.md quotes from them."""
 
 import dataclasses
 import importlib.util
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_bench_indexer_smoke_reports_every_section(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "indexer.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_indexer.py"),
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_indexer.py"),
                            "--smoke", "--json", str(out)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -36,35 +36,77 @@ def test_bench_indexer_smoke_reports_every_section(tmp_path):
 
 
 def _bench_module(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "indexer" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+HARNESS_PROGRAM = """
+import os, sys
+sys.path.insert(0, {root!r})
+from benchmarks import harness
+NAMES = ("default", "expandable")
+p = harness.parser("A toy comparison.", workers=NAMES, rounds=2)
+p.add_argument("--x")
+args = p.parse_args()
+if not harness.child(args, lambda a: {{"conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                                     "pid": os.getpid(), "x": a.x, "argv": sys.argv[1:]}}):
+    runs = harness.each_allocator(NAMES, __file__, harness.forwarded(), rounds=args.rounds)
+    harness.write_json(args.json, runs)
+    harness.goal("every run its own process", len({{r["pid"] for r in runs}}) == len(runs), "4 runs")
+"""
+
+
+def test_harness_runs_each_allocator_in_a_fresh_process_rounds_alternated(tmp_path):
+    program = tmp_path / "toy.py"
+    program.write_text(HARNESS_PROGRAM.format(root=str(ROOT)))
+    out = tmp_path / "runs.json"
+    proc = subprocess.run([sys.executable, str(program), "--x", "7", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert [r["allocator"] for r in runs] == ["default", "expandable", "default", "expandable"]
+    assert [r["conf"] for r in runs] == ["", "expandable_segments:True"] * 2
+    assert len({r["pid"] for r in runs}) == 4
+    assert all(r["x"] == "7" and "--json" not in r["argv"] for r in runs)  # flags forwarded, --json kept
+    assert proc.stdout.strip().splitlines()[-1] == "goal: every run its own process: 4 runs: met"
+
+
+def test_harness_refuses_an_unwritable_json_path_in_one_line(tmp_path):
+    program = tmp_path / "toy.py"
+    program.write_text(HARNESS_PROGRAM.format(root=str(ROOT)))
+    proc = subprocess.run([sys.executable, str(program), "--json", str(tmp_path / "nowhere" / "x.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("does not exist")
 
 
 def test_bench_indexer_topk_config_text_round_trips():
     """The parent hands its top-k config to the arena run's process as text: every field,
     the boolean one included, must come back as it was."""
     pytest.importorskip("triton")
-    bench = _bench_module("bench_indexer")
-    default = bench.topk_mod.default_config(2048)
+    cases = _bench_module("cases")
+    from indexer import topk
+    default = topk.default_config(2048)
     for cfg in (default, dataclasses.replace(default, sampled=False, z=2.5, stages=3)):
-        assert bench.parse_topk_config(bench.topk_config_text(cfg), 2048) == cfg
+        assert cases.parse_topk_config(cases.topk_config_text(cfg), 2048) == cfg
     for bad in ("sampled=yes", "stages=three", "colour=4", "block="):
         with pytest.raises(SystemExit, match="--topk-config"):
-            bench.parse_topk_config(bad, 2048)
+            cases.parse_topk_config(bad, 2048)
 
 
 def test_bench_indexer_logits_config_text_round_trips():
     """The arena run's process gets the parent's logits config as text: every field must come
     back (a dropped linear_terms once made that process run a slower kernel than the parent)."""
     pytest.importorskip("triton")
-    bench = _bench_module("bench_indexer")
-    configs = [bench.HopperConfig(stages, consumers, linear)
+    cases = _bench_module("cases")
+    from indexer import HopperConfig, LogitsConfig
+    configs = [HopperConfig(stages, consumers, linear)
                for stages in (2, 4, 6) for consumers in (2, 3) for linear in range(5)]
-    configs += [bench.LogitsConfig(64, 128, 4, 3), bench.LogitsConfig(32, 64, 8, 2)]
+    configs += [LogitsConfig(64, 128, 4, 3), LogitsConfig(32, 64, 8, 2)]
     for cfg in configs:
-        back = bench.parse_logits_config(bench.logits_config_text(cfg))
+        back = cases.parse_logits_config(cases.logits_config_text(cfg))
         assert type(back) is type(cfg) and back == cfg and repr(back) == repr(cfg)
 
 
@@ -93,23 +135,6 @@ def test_bench_indexer_compares_prefills_only_when_both_ran_the_same_kernels():
     assert args[-1] is False and "logits_config" in args[1]
 
 
-def _bench_clocks():
-    pytest.importorskip("rich")
-    return _bench_module("bench_clocks")
-
-
-def test_bench_clocks_reads_nvidia_smi_samples(tmp_path):
-    clocks = _bench_clocks()
-    log = tmp_path / "smi.csv"
-    log.write_text("2026/11/30 15:00:55.006, 1515 MHz, 691.74 W, 0x0000000000000004\n"
-                   "2026/11/30 15:00:55.606, [N/A], 689.91 W, 0x0000000000000004\n"
-                   "2026/11/30 15:00:58.613, 1980 MHz, 164.01 W, 0x0000000000000000\n")
-    samples = clocks.read_samples(log)
-    assert [(mhz, watts, reasons) for _t, mhz, watts, reasons in samples] == [
-        (1515.0, 691.74, 4), (1980.0, 164.01, 0)]
-    assert samples[1][0] - samples[0][0] == pytest.approx(3.607, abs=1e-6)
-
-
 def test_bench_linear_terms_says_what_it_needs_without_an_sm90_gpu():
     """It measures the sm_90 kernel only: elsewhere it must stop with a clear message rather
     than time another kernel under the sm_90 kernel's name."""
@@ -117,7 +142,7 @@ def test_bench_linear_terms_says_what_it_needs_without_an_sm90_gpu():
     import torch
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("an sm_90 GPU is here: the benchmark would run")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_linear_terms.py")],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_linear_terms.py")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "needs an sm_90 GPU" in proc.stderr
@@ -129,7 +154,7 @@ def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
     its one-read path on some rows."""
     pytest.importorskip("rich")
     out = tmp_path / "topk.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_topk.py"), "--smoke",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_topk.py"), "--smoke",
                            "--rounds", "1", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

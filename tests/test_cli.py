@@ -105,14 +105,14 @@ def test_report_refuses_a_budget_that_is_not_positive(tmp_path, value):
 
 @pytest.mark.parametrize("args", [["--prompt-tokens", "-5"], ["--budget-mb", "0"], ["--json", "/nonexistent/x.json"]])
 def test_the_main_job_refuses_bad_flags_before_running(args):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seed_workload.py"), *args],
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "seed_workload.py"), *args],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "error:" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stdout == ""
 
 
 def test_the_main_jobs_help_is_whole():
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "seed_workload.py"), "--help"],
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "seed_workload.py"), "--help"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "512 MiB budget)." in " ".join(done.stdout.split())
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark of the indexer's prefill path on one GPU (written for an H200).
 
-    python benchmarks/bench_indexer.py --json results.json
+    python benchmarks/indexer/bench_indexer.py --json results.json
 
 Prints one table and writes it as JSON:
 
@@ -32,26 +32,24 @@ the script itself without a GPU (its numbers mean nothing).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from arena_tools import allocators  # noqa: E402  (neither imports torch: --smoke and --arena come first)
+from benchmarks import harness  # noqa: E402
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", help="write the results there as JSON")
+    p = harness.parser(__doc__)
     p.add_argument("--only", default="ceilings,sweep,logits,topk,prefill",
                    help="comma-separated sections to run (default: all)")
     p.add_argument("--no-sweep", action="store_true", help="skip the config sweep")
@@ -86,13 +84,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import indexer  # noqa: E402
-from indexer import (DenseKV, HopperConfig, LogitsConfig, PrefillStats, TopkConfig,  # noqa: E402
-                     prefill_topk, row_stride_elems)
-from indexer import reference as ref  # noqa: E402
-
+from indexer import DenseKV, PrefillStats, prefill_topk, row_stride_elems  # noqa: E402
 from indexer import logits as logits_mod  # noqa: E402
+from indexer import reference as ref  # noqa: E402
 from indexer import topk as topk_mod  # noqa: E402
-FP8 = torch.float8_e4m3fn
+from benchmarks.indexer.cases import (FP8, alloc_importable, causal_ends, dtype_name,  # noqa: E402
+                                      logits_config_text, memory, parse_logits_config,
+                                      parse_topk_config, reset_memory, topk_config_text, topk_name,
+                                      topk_rows, torch_topk_sets)
+
 ROUNDS = 5              # rounds of the logits cases and their ceiling, timed in turn
 
 
@@ -498,130 +498,13 @@ class Bench:
                  ratio, "x", "prefill", ratio, "<= 1.01 (noise)", ratio <= 1.01)
 
 
-def reset_memory(arena_installed: bool, smoke: bool) -> None:
-    if smoke:
-        return
-    if arena_installed:
-        import alloc
-        alloc.reset_peak_memory_stats()
-    else:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def causal_ends(m: int, n: int, device) -> torch.Tensor:
-    """Causal rows: the m queries of a prefill spread evenly over the n keys, row i seeing the
-    first (i + 1) * n / m of them (half the pairs of full rows)."""
-    return ((torch.arange(m, device=device, dtype=torch.int64) + 1) * n // m).to(torch.int32)
-
-
-def topk_rows(x: torch.Tensor, causal: bool):
-    """(x, ks, ke) for full rows of x, or causal ones (``causal_ends``) with -inf past each
-    row's end, so that torch.topk gets the same rows."""
-    m, n = x.shape
-    ks = torch.zeros(m, dtype=torch.int32, device=x.device)
-    if not causal:
-        return x, ks, torch.full((m,), n, dtype=torch.int32, device=x.device)
-    ke = causal_ends(m, n, x.device)
-    return x.masked_fill(torch.arange(n, device=x.device)[None, :] >= ke[:, None],
-                         float("-inf")), ks, ke
-
-
-def torch_topk_sets(x: torch.Tensor, ke: torch.Tensor, k: int) -> torch.Tensor:
-    """torch.topk's index sets of the rows (ks = 0), sorted, as the kernel gives them: a row
-    shorter than k has its -inf columns as -1."""
-    theirs = torch.topk(x, k, dim=1, sorted=False).indices
-    return torch.where(theirs < ke[:, None], theirs, -1).sort(1).values
-
-
-def memory(arena_installed: bool, smoke: bool) -> dict:
-    if smoke:
-        return {}
-    free, total = torch.cuda.mem_get_info()
-    if arena_installed:
-        import alloc
-        return dict(free=free, total=total, allocated=alloc.memory_allocated(),
-                    peak_allocated=alloc.max_memory_allocated(),
-                    reserved=alloc.memory_reserved(), peak_reserved=alloc.max_memory_reserved())
-    return dict(free=free, total=total, allocated=torch.cuda.memory_allocated(),
-                peak_allocated=torch.cuda.max_memory_allocated(),
-                reserved=torch.cuda.memory_reserved(),
-                peak_reserved=torch.cuda.max_memory_reserved())
-
-
-def alloc_importable() -> bool:
-    try:
-        import alloc  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def dtype_name(dtype) -> str:
-    return {torch.bfloat16: "bf16", FP8: "fp8", torch.float32: "float32"}.get(dtype, str(dtype))
-
-
-def topk_name(cfg: TopkConfig) -> str:
-    return (f"b{cfg.block}/{cfg.collect_block} cand {cfg.cand} s{cfg.stages} w{cfg.num_warps} "
-            f"x{cfg.programs_per_sm}/SM")
-
-
-def topk_config_text(cfg: TopkConfig) -> str:
-    """The --topk-config text that parse_topk_config turns back into cfg."""
-    return ",".join(f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(cfg))
-
-
-def logits_config_text(cfg) -> str:
-    if isinstance(cfg, HopperConfig):
-        return f"wgmma:{cfg.stages},{cfg.consumers},{cfg.linear_terms}"
-    return f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
-
-
-def parse_logits_config(text):
-    if not text:
-        return None
-    if text.startswith("wgmma:"):
-        return HopperConfig(*(int(v) for v in text[len("wgmma:"):].split(",")))
-    return LogitsConfig(*(int(v) for v in text.split(",")))
-
-
-def parse_topk_config(text, k=2048):
-    """``field=value,...`` over TopkConfig's fields; the rest come from default_config(k)."""
-    if not text:
-        return None
-    defaults = topk_mod.default_config(k)
-    fields = [f.name for f in dataclasses.fields(TopkConfig)]
-    values = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if name not in fields or not value:
-            raise SystemExit(f"--topk-config: expected field=value with field one of "
-                             f"{', '.join(fields)}, got {item!r}")
-        kind = type(getattr(defaults, name))
-        if kind is bool:
-            if value not in ("True", "False"):
-                raise SystemExit(f"--topk-config: {name} takes True or False, got {value!r}")
-            values[name] = value == "True"
-        else:
-            try:
-                values[name] = kind(value)
-            except ValueError:
-                raise SystemExit(f"--topk-config: {name} takes a {kind.__name__}, "
-                                 f"got {value!r}") from None
-    return dataclasses.replace(defaults, **values)
-
-
 def print_table(rows):
     print()
-    print(f"{'section':<16} {'case':<40} {'value':>12} {'unit':<8} {'ratio':>8}  "
-          f"{'vs':<16} {'goal':<20} met")
-    print("-" * 132)
-    for r in rows:
-        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
-        met = "" if r["met"] is None else ("yes" if r["met"] else "NO")
-        print(f"{r['section']:<16} {r['case']:<40} {r['value']:>12.3f} {r['unit']:<8} "
-              f"{ratio:>8}  {r['versus']:<16} {r['goal']:<20} {met}")
+    harness.table("bench_indexer", ("section", "case", "value", "unit", "ratio", "vs", "goal", "met"),
+                  [(r["section"], r["case"], f"{r['value']:.3f}", r["unit"],
+                    "" if r["ratio"] is None else f"{r['ratio']:.3f}", r["versus"], r["goal"],
+                    "" if r["met"] is None else ("yes" if r["met"] else "NO")) for r in rows],
+                  justify="left", width=150)
 
 
 def main():
@@ -660,7 +543,7 @@ def main():
     print_table(b.rows)
     if args.json:
         b.results["table"] = b.rows
-        Path(args.json).write_text(json.dumps(b.results, indent=2, default=str))
+        harness.write_json(args.json, b.results, indent=2)
         print(f"\nwrote {args.json}")
 
 
@@ -670,23 +553,17 @@ def child_run(b: Bench, record: bool = True) -> None:
     if not alloc_importable():
         b.results["prefill_arena"] = {"skipped": "the alloc extension is not built"}
         return
-    import tempfile
     cfg = logits_mod.default_config(FP8, b.H, b.D)
     tk = getattr(b, "topk_config", None) or topk_mod.default_config(b.K)
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        path = f.name
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--arena", "--only", "prefill",
-           "--json", path, "--prompt", str(ARGS.prompt), "--chunk", str(ARGS.chunk),
-           "--budget-mb", str(ARGS.budget_mb),
-           "--logits-config", logits_config_text(cfg),
-           "--topk-config", topk_config_text(tk)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        b.results["prefill_arena"] = {"failed": proc.stderr[-3000:]}
-        print(f"arena run failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+    child = allocators.run_child(lambda path: allocators.python(
+        str(Path(__file__).resolve()), "--arena", "--only", "prefill", "--json", path,
+        "--prompt", str(ARGS.prompt), "--chunk", str(ARGS.chunk), "--budget-mb", str(ARGS.budget_mb),
+        "--logits-config", logits_config_text(cfg), "--topk-config", topk_config_text(tk)),
+        allocators.child_environ("arena"), timeout=600)
+    if "error" in child:
+        b.results["prefill_arena"] = {"failed": child["stderr"]}
+        print(f"arena run failed:\n{child['stderr']}", file=sys.stderr)
         return
-    child = json.loads(Path(path).read_text())
-    os.unlink(path)
     result = child.get("prefill_arena")
     if not record:
         b.results["prefill_arena"]["round_walls_s"].append(result["wall_s"])

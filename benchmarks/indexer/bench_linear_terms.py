@@ -3,7 +3,7 @@
 (``HopperConfig.linear_terms``), side by side: speed and accuracy, fp8 and bf16, at 64, 32 and
 16 heads.
 
-    python benchmarks/bench_linear_terms.py [--rounds 3] [--json FILE]
+    python benchmarks/indexer/bench_linear_terms.py [--rounds 3] [--json FILE]
 
 Per (dtype, H): each config's TFLOP/s (median of ``--rounds`` ``do_bench`` rounds, full rows,
 M = 4096, N = 65536, D = 128) beside the product ceiling measured in the same rounds, and its
@@ -15,23 +15,19 @@ the measurement behind the default config's choice of linear terms
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 
-from bench_clocks import FP8, D, M, N, logits_inputs, product_case  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.indexer.cases import FP8, D, M, N, logits_inputs, product_case  # noqa: E402
 from indexer import HopperConfig, mqa_logits, row_stride_elems  # noqa: E402
 from indexer import reference as ref  # noqa: E402
 from indexer.logits_hopper import supports  # noqa: E402
@@ -45,20 +41,13 @@ CASES = [(FP8, 64, [(6, 3), (6, 3, 2), (6, 3, 3), (8, 3, 3)]),
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
+    p = harness.parser(__doc__, rounds=3, rounds_help="interleaved do_bench rounds")
     p.add_argument("--rows", type=int, default=64, help="rows checked against float64")
-    p.add_argument("--json", help="write the results there as JSON")
     args = p.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench_linear_terms needs an sm_90 GPU (the kernel it measures is sm_90's)")
     out = torch.empty((M, row_stride_elems(N)), device="cuda")[:, :N]
-    table = Table(title=f"linear terms ({torch.cuda.get_device_name()}, torch "
-                        f"{torch.__version__}, Triton {triton.__version__})")
-    for col in ("dtype", "H", "config", "TFLOP/s", "of ceiling", "rel. err vs float64",
-                f"top-{K} agreement"):
-        table.add_column(col)
-    results = []
+    table, results = [], []
     for seed, (dtype, h, shapes) in enumerate(CASES):
         q, kv, kv_scale, w, ks, ke = logits_inputs(dtype, h, seed)
         rows = slice(0, args.rows)
@@ -80,20 +69,22 @@ def main():
                 times[c].append(triton.testing.do_bench(fn, warmup=25, rep=200,
                                                         return_mode="median"))
         ceiling_tf = ceiling_flops / statistics.median(times[name]) / 1e9
-        table.add_row(str(dtype).replace("torch.", ""), str(h), name, f"{ceiling_tf:.1f}", "1.000",
-                      "", "")
+        table.append((str(dtype).replace("torch.", ""), str(h), name, f"{ceiling_tf:.1f}", "1.000",
+                      "", ""))
         for cfg in fns:
             tf = 2 * M * N * h * D / statistics.median(times[cfg]) / 1e9
             err, agree = acc[cfg]
-            table.add_row("", "", repr(cfg), f"{tf:.1f}", f"{tf / ceiling_tf:.3f}", f"{err:.2e}",
-                          f"{agree:.5f}")
+            table.append(("", "", repr(cfg), f"{tf:.1f}", f"{tf / ceiling_tf:.3f}", f"{err:.2e}",
+                          f"{agree:.5f}"))
             results.append(dict(dtype=str(dtype), H=h, config=repr(cfg), tflops=tf,
                                 of_ceiling=tf / ceiling_tf, ceiling=name, ceiling_tflops=ceiling_tf,
                                 rel_err=err, topk_agreement=agree))
         del q, kv
-    Console(width=140).print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    harness.table(f"linear terms ({torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                  f"Triton {triton.__version__})",
+                  ("dtype", "H", "config", "TFLOP/s", "of ceiling", "rel. err vs float64",
+                   f"top-{K} agreement"), table, justify="left", width=140)
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

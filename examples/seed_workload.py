@@ -8,13 +8,14 @@ side by side, the device memory taken (cudaMemGetInfo delta from the first alloc
 allocator's device calls and the wall time. Without one, the workspace runs on the host-backed
 arena (the same C core over host memory) beside the fit check's model of PyTorch's allocator.
 
-    python benchmarks/seed_workload.py [--allocators default,expandable,cuda-async,arena,arena-workspace]
+    python examples/seed_workload.py [--allocators default,expandable,cuda-async,arena,arena-workspace]
                                        [--prompt-tokens N] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -43,7 +44,7 @@ def run_on_gpu(args) -> dict:
     scope = allocators.install(args.worker, alloc.Config(budget_mb=args.budget_mb))
     torch.cuda.init()
     free0, total = torch.cuda.mem_get_info()
-    workspace = alloc.workspace if scope else _no_scope
+    workspace = alloc.workspace if scope else contextlib.nullcontext
 
     def device_calls() -> int:
         if scope == "process":
@@ -80,14 +81,6 @@ def run_on_gpu(args) -> dict:
         out["workspace_device_calls"] = stats["arena.workspace.backend_reserves"]
         out["workspace_capacity"] = stats["arena.workspace.capacity"]
     return out
-
-
-class _no_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def compare_on_gpu(args) -> list[dict]:

@@ -4,31 +4,24 @@ weights, static KV cache) whose decode step is captured as a CUDA graph and repl
 PyTorch's default allocator, expandable segments and the arena (process scope), each in a fresh
 process, the allocators alternated round after round (A B C A B C).
 
-    python benchmarks/bench_decode_graphs.py [--layers 8] [--batch 8] [--prompt 512] [--new 256]
+    python benchmarks/alloc/bench_decode_graphs.py [--layers 8] [--batch 8] [--prompt 512] [--new 256]
                                              [--rounds 2] [--json FILE]
 """
 
-import argparse
-import json
-import os
+import contextlib
 import sys
 import time
+from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root
 
-from arena_tools import allocators
+from arena_tools import allocators  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.alloc.llama import llama_config, llama_model, model_flags  # noqa: E402
 
 ALLOCATORS = ("default", "expandable", "arena")  # of arena_tools.allocators
 MiB = 1 << 20
-
-
-class _no_scope:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def static_cache(config, batch: int, length: int):
@@ -44,7 +37,7 @@ def static_cache(config, batch: int, length: int):
 def seed_prefill(args, workspace) -> int:
     """The seed workload's workspaces; returns the device bytes taken at its end."""
     import torch
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, str(ROOT / "examples"))
     from seed_workload import TOPK, workload
     free0 = torch.cuda.mem_get_info()[0]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -61,19 +54,15 @@ def seed_prefill(args, workspace) -> int:
 
 def worker(args) -> dict:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import alloc
     arena = allocators.install(args.worker, alloc.Config(budget_mb=args.budget_mb)) is not None
     torch.cuda.init()
     free0 = torch.cuda.mem_get_info()[0]
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=2048, intermediate_size=5504, num_hidden_layers=args.layers,
-                         num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
-                         max_position_embeddings=4096)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    workspace_taken = seed_prefill(args, alloc.workspace if arena else _no_scope)
+    config = llama_config(args.layers)
+    model = llama_model(config)
+    workspace_taken = seed_prefill(args, alloc.workspace if arena else contextlib.nullcontext)
     # Room beyond the last step: releases that take the position from the cache itself (not from
     # cache_position) advance it on the warm-up steps too.
     cache = static_cache(config, args.batch, args.prompt + args.new + 16)
@@ -124,40 +113,31 @@ def worker(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=512)
-    parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2, help="passes over every allocator")
+    parser = harness.parser(__doc__, workers=ALLOCATORS, rounds=2)
+    model_flags(parser, layers=8)
     parser.add_argument("--prompt-tokens", type=int, default=254_000, help="the seed prefill's prompt")
     parser.add_argument("--chunk-tokens", type=int, default=3_200)
     parser.add_argument("--compress-ratio", type=int, default=4)
     parser.add_argument("--budget-mb", type=int, default=512)
-    parser.add_argument("--json")
-    parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        allocators.write_result(args.result, worker(args))
+    if harness.child(args, worker):
         return
-    forwarded = allocators.without_option(sys.argv[1:], "--json")
-    runs = allocators.run_each(ALLOCATORS, lambda name, result: [
-        sys.executable, __file__, "--worker", name, "--result", result, *forwarded], rounds=args.rounds)
-    allocators.stop_on_error(runs)
-    table = Table(title=f"Decode as a CUDA graph beside the seed prefill: Llama-style, {args.layers} layers, "
-                        f"batch {args.batch}, prompt {args.prompt}, {args.new} steps ({runs[0]['device']}, "
-                        f"torch {runs[0]['torch']}, transformers {runs[0]['transformers']}; rounds alternate)")
-    for col in ("allocator", "round", "tokens/s", "device used MiB", "peak reserved MiB",
-                "seed prefill took MiB"):
-        table.add_column(col, justify="right")
-    for i, r in enumerate(runs):
-        table.add_row(r["allocator"], str(i // len(ALLOCATORS) + 1), f"{r['tokens_per_s']:,.0f}",
-                      f"{r['device_used_end'] / MiB:,.0f}", f"{r['peak_reserved'] / MiB:,.0f}",
-                      f"{r['workspace_taken'] / MiB:,.0f}")
-    Console().print(table)
-    best = {name: max((r for r in runs if r["allocator"] == name), key=lambda r: r["tokens_per_s"])
-            for name in ALLOCATORS}
+    runs = harness.each_allocator(ALLOCATORS, __file__, harness.forwarded(), rounds=args.rounds,
+                                  stop_on_error=True)
+    first = runs[0]
+    harness.table(f"Decode as a CUDA graph beside the seed prefill: Llama-style, {args.layers} layers, "
+                  f"batch {args.batch}, prompt {args.prompt}, {args.new} steps ({first['device']}, "
+                  f"torch {first['torch']}, transformers {first['transformers']}; rounds alternate)",
+                  ("allocator", "round", "tokens/s", "device used MiB", "peak reserved MiB",
+                   "seed prefill took MiB"),
+                  [(r["allocator"], str(i // len(ALLOCATORS) + 1), f"{r['tokens_per_s']:,.0f}",
+                    f"{r['device_used_end'] / MiB:,.0f}", f"{r['peak_reserved'] / MiB:,.0f}",
+                    f"{r['workspace_taken'] / MiB:,.0f}") for i, r in enumerate(runs)])
+    print_goal(args, runs, harness.best(runs, ALLOCATORS, "tokens_per_s", most=True))
+    harness.write_json(args.json, runs)
+
+
+def print_goal(args, runs: list[dict], best: dict[str, dict]) -> None:
     a, d, e = best["arena"], best["default"], best["expandable"]
     for r in runs:
         if "workspace_capacity" in r:
@@ -171,13 +151,9 @@ def main() -> None:
                for r in runs if "workspace_capacity" in r)
     print(f"arena / default tokens/s (best rounds) {speed:.3f}; arena / expandable device memory {memory:.3f} "
           f"({general:.3f} leaving out the arena's {args.budget_mb} MiB workspace budget)")
-    met = speed >= 0.98 and memory <= 1.0 and flat
-    print(f"goal: tokens/s within 2% of the default allocator or better, device memory at or below "
-          f"expandable segments, and the workspace one reservation of the budget: "
-          f"{'met' if met else 'NOT met'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f, indent=1)
+    harness.goal("tokens/s within 2% of the default allocator or better, device memory at or below "
+                 "expandable segments, and the workspace one reservation of the budget",
+                 speed >= 0.98 and memory <= 1.0 and flat)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 """Top-k configs side by side against ``torch.topk``: the sampled pass 1 (one read for most rows)
 against two reads, and the sample's size.
 
-    python benchmarks/bench_topk.py [--rounds 5] [--json FILE]
-    python benchmarks/bench_topk.py --smoke      # toy sizes on the CPU (Triton interpreter)
+    python benchmarks/indexer/bench_topk.py [--rounds 5] [--json FILE]
+    python benchmarks/indexer/bench_topk.py --smoke      # toy sizes on the CPU (Triton interpreter)
 
 Per row kind (full rows, and causal rows with ``-inf`` past each row's end for ``torch.topk``):
 each config's median ms over ``--rounds`` interleaved ``do_bench`` rounds on the same normal
@@ -14,25 +14,22 @@ is the measurement behind ``TopkConfig``'s defaults.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", help="write the results there as JSON")
+    p = harness.parser(__doc__, rounds=5, rounds_help="interleaved do_bench rounds")
     p.add_argument("--smoke", action="store_true",
                    help="toy sizes on the CPU (Triton interpreter); checks the program only")
     return p.parse_args(argv)
@@ -54,10 +51,7 @@ def main():
         os.environ["TRITON_INTERPRET"] = "1"          # before triton is imported
     import torch
     import triton
-    from rich.console import Console
-    from rich.table import Table
-
-    from bench_indexer import topk_rows, torch_topk_sets
+    from benchmarks.indexer.cases import topk_rows, torch_topk_sets
     from indexer import topk
 
     if args.smoke:
@@ -77,11 +71,7 @@ def main():
     gen = torch.Generator(device=device).manual_seed(7)
     cfgs = configs(topk, k, device)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU, interpreted"
-    table = Table(title=f"top-{k} over [{m}, {n}] ({name}, torch {torch.__version__}, "
-                        f"Triton {triton.__version__})")
-    for col in ("rows", "config", "ms", "vs torch.topk", "same sets", "rows per path"):
-        table.add_column(col)
-    results = []
+    table, results = [], []
     for causal in (False, True):
         x, ks, ke = topk_rows(torch.randn(m, n, generator=gen, device=device), causal)
         out = torch.empty((m, k), dtype=torch.int32, device=device)
@@ -100,18 +90,20 @@ def main():
                 times[label].append(ms(fn))
         t_torch = statistics.median(times["torch.topk(sorted=False)"])
         rows = "causal" if causal else "full"
-        table.add_row(rows, "torch.topk(sorted=False)", f"{t_torch:.3f}", "1.00", "", "")
+        table.append((rows, "torch.topk(sorted=False)", f"{t_torch:.3f}", "1.00", "", ""))
         for label in cfgs:
             t = statistics.median(times[label])
             same, paths = facts[label]
-            table.add_row("", label, f"{t:.3f}", f"{t_torch / t:.2f}", str(same),
-                          " ".join(f"{p} {c}" for p, c in paths.items() if c))
+            table.append(("", label, f"{t:.3f}", f"{t_torch / t:.2f}", str(same),
+                          " ".join(f"{p} {c}" for p, c in paths.items() if c)))
             results.append(dict(rows=rows, config=label, spec=repr(cfgs[label]), ms=t,
                                 torch_ms=t_torch, speedup=t_torch / t, same_sets=same,
                                 paths=paths))
-    Console(width=150).print(table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    harness.table(f"top-{k} over [{m}, {n}] ({name}, torch {torch.__version__}, "
+                  f"Triton {triton.__version__})",
+                  ("rows", "config", "ms", "vs torch.topk", "same sets", "rows per path"), table,
+                  justify="left", width=150)
+    harness.write_json(args.json, results)
     if not all(r["same_sets"] for r in results):
         sys.exit("some config's sets differ from torch.topk's")
 

@@ -4,7 +4,7 @@ arena without them (one lock for every operation), the plugin's process-scope ge
 memory (what PyTorch's calls reach, minus PyTorch), and glibc malloc/free, all in the same run, and
 whether the goals of issue 19 are met (they are about the arena with thread caches).
 
-    python benchmarks/bench_arena.py [--pairs N] [--repeats R] [--thread-cache-mib M] [--json FILE]
+    python benchmarks/alloc/bench_arena.py [--pairs N] [--repeats R] [--thread-cache-mib M] [--json FILE]
                                      [--require-goals]
 
 Goals: one thread at most 50 ns per pair; four threads at most 2.0x glibc's time per pair. Each
@@ -14,8 +14,6 @@ favours none. On a machine with fewer than four cores, four threads oversubscrib
 then includes time spent waiting for a core, glibc's too.
 """
 
-import argparse
-import json
 import os
 import pathlib
 import platform
@@ -26,10 +24,11 @@ import sys
 import sysconfig
 import tempfile
 
-from rich.console import Console
-from rich.table import Table
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+from benchmarks import harness  # noqa: E402
+
 ONE_THREAD_NS = 50.0
 FOUR_THREADS_RATIO = 2.0
 ALLOCATORS = ("arena", "locked", "plugin", "malloc")
@@ -42,7 +41,7 @@ def compiler() -> list[str]:
 def build(out: pathlib.Path) -> pathlib.Path:
     exe = out / "bench_arena"
     subprocess.run([*compiler(), "-O2", "-std=gnu11", "-pthread", f"-I{ROOT / 'csrc'}",
-                    str(ROOT / "benchmarks" / "bench_arena.c"),
+                    str(ROOT / "benchmarks" / "alloc" / "bench_arena.c"),
                     *map(str, sorted((ROOT / "csrc").glob("*.c"))), "-ldl", "-o", str(exe)], check=True)
     return exe
 
@@ -78,49 +77,46 @@ def goals(results: list[dict]) -> list[dict]:
     return out
 
 
+def measure(exe: pathlib.Path, threads: int, args) -> dict:
+    """Every allocator's median over the repeats, each run a process of its own, the order
+    rotated every repeat."""
+    by = {name: [] for name in ALLOCATORS}
+    for rep in range(args.repeats):
+        for k in range(len(ALLOCATORS)):
+            name = ALLOCATORS[(rep + k) % len(ALLOCATORS)]
+            out = subprocess.run([str(exe), name, str(threads), str(args.pairs), "1",
+                                  str(args.thread_cache_mib)],
+                                 check=True, capture_output=True, text=True).stdout
+            by[name].append(float(out.split()[2]))
+    return {"threads": threads, **{f"{k}_ns": statistics.median(v) for k, v in by.items()}, "runs": by}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__)
     parser.add_argument("--pairs", type=int, default=2_000_000, help="pairs per thread per run")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--thread-cache-mib", type=int, default=16,
                         help="each thread's cache in the arena (the plugin's small pool: 16)")
-    parser.add_argument("--json", type=pathlib.Path)
     parser.add_argument("--require-goals", action="store_true", help="exit 1 when a goal is not met")
     args = parser.parse_args()
-    results = []
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(pathlib.Path(tmp))
-        for threads in (1, 4):
-            by = {name: [] for name in ALLOCATORS}
-            for rep in range(args.repeats):
-                for k in range(len(ALLOCATORS)):
-                    name = ALLOCATORS[(rep + k) % len(ALLOCATORS)]
-                    out = subprocess.run([str(exe), name, str(threads), str(args.pairs), "1",
-                                          str(args.thread_cache_mib)],
-                                         check=True, capture_output=True, text=True).stdout
-                    by[name].append(float(out.split()[2]))
-            results.append({"threads": threads, **{f"{k}_ns": statistics.median(v) for k, v in by.items()},
-                            "runs": by})
-    table = Table(title=f"alloc+free pair, median of {args.repeats} runs of {args.pairs:,} pairs per thread")
-    for col in ("threads", f"arena ns/pair ({args.thread_cache_mib} MiB thread caches)",
-                "arena ns/pair (no caches)", "plugin general pools ns/pair", "glibc malloc ns/pair",
-                "arena / glibc"):
-        table.add_column(col, justify="right")
-    for r in results:
-        table.add_row(str(r["threads"]), f"{r['arena_ns']:.1f}", f"{r['locked_ns']:.1f}", f"{r['plugin_ns']:.1f}",
-                      f"{r['malloc_ns']:.1f}", f"{r['arena_ns'] / r['malloc_ns']:.2f}")
-    console = Console()
-    console.print(table)
+        results = [measure(exe, threads, args) for threads in (1, 4)]
+    harness.table(f"alloc+free pair, median of {args.repeats} runs of {args.pairs:,} pairs per thread",
+                  ("threads", f"arena ns/pair ({args.thread_cache_mib} MiB thread caches)",
+                   "arena ns/pair (no caches)", "plugin general pools ns/pair", "glibc malloc ns/pair",
+                   "arena / glibc"),
+                  [(str(r["threads"]), f"{r['arena_ns']:.1f}", f"{r['locked_ns']:.1f}", f"{r['plugin_ns']:.1f}",
+                    f"{r['malloc_ns']:.1f}", f"{r['arena_ns'] / r['malloc_ns']:.2f}") for r in results])
     checked = goals(results)
     for g in checked:
-        print(f"goal {g['goal']}: {g['shown']}: {'met' if g['met'] else 'NOT met'}")
+        harness.goal(g["goal"], g["met"], g["shown"])
     m = machine()
     print(f"machine: {m['cpu']}, {m['cores']} cores; compiler: {m['compiler']}")
     if m["cores"] and m["cores"] < 4:
         print(f"note: {m['cores']} cores, so 4 threads oversubscribe the machine (every allocator waits for a core)")
-    if args.json:
-        args.json.write_text(json.dumps({"machine": m, "thread_cache_mib": args.thread_cache_mib,
-                                         "results": results, "goals": checked}, indent=2))
+    harness.write_json(args.json, {"machine": m, "thread_cache_mib": args.thread_cache_mib,
+                                   "results": results, "goals": checked}, indent=2)
     if args.require_goals and not all(g["met"] for g in checked):
         sys.exit(1)
 

@@ -13,7 +13,7 @@ then filled through torch.frombuffer over the arena's memory (--no-fill skips th
 Writes into DIR: report.txt, report.json, report.png (the report) and trace.csv (RMM's format plus
 Device,Pool) and snapshot.pickle (PyTorch's memory snapshot), then prints the report.
 
-    python benchmarks/report_example.py DIR [--prompt-tokens N] [--chunk-tokens N] [--budget-mb N]
+    python examples/report_example.py DIR [--prompt-tokens N] [--chunk-tokens N] [--budget-mb N]
                                             [--cpu] [--no-fill]
 
 Then, e.g.:  python -m arena_tools replay DIR/trace.csv --json DIR/replay.json

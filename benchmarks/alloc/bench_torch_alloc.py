@@ -1,20 +1,19 @@
 """torch.empty + del of mixed sizes (4 KiB to 16 MiB), steady state, under each allocator in a
 fresh process: the cost every tensor of a serving process pays.
 
-    python benchmarks/bench_torch_alloc.py [--iters N] [--repeats R] [--json FILE]
+    python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--repeats R] [--json FILE]
 """
 
-import argparse
-import json
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from arena_tools import allocators
+from arena_tools import allocators  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 ALLOCATORS = ("default", "expandable", "cuda-async", "arena")  # of arena_tools.allocators
 
@@ -41,32 +40,21 @@ def worker(name: str, iters: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__doc__, workers=ALLOCATORS)
     parser.add_argument("--iters", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json")
-    parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        allocators.write_result(args.result, worker(args.worker, args.iters, args.repeats))
+    if harness.child(args, lambda a: worker(a.worker, a.iters, a.repeats)):
         return
-    results = allocators.run_each(ALLOCATORS, lambda name, result: [
-        sys.executable, __file__, "--worker", name, "--result", result, "--iters", str(args.iters),
-        "--repeats", str(args.repeats)])
+    results = harness.each_allocator(ALLOCATORS, __file__, ["--iters", str(args.iters),
+                                                           "--repeats", str(args.repeats)])
     base = next(r["us_per_pair"] for r in results if r["allocator"] == "default" and "error" not in r)
-    table = Table(title=f"torch.empty + del, mixed 4 KiB-16 MiB, median of {args.repeats} x {args.iters:,}")
-    for col in ("allocator", "us / pair", "vs default"):
-        table.add_column(col, justify="right")
-    for r in results:
-        if "error" in r:
-            table.add_row(r["allocator"], "failed", r["error"][-80:])
-        else:
-            table.add_row(r["allocator"], f"{r['us_per_pair']:.2f}", f"{r['us_per_pair'] / base:.2f}")
-    Console().print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    harness.table(f"torch.empty + del, mixed 4 KiB-16 MiB, median of {args.repeats} x {args.iters:,}",
+                  ("allocator", "us / pair", "vs default"),
+                  [(r["allocator"], "failed", r["error"][-80:]) if "error" in r else
+                   (r["allocator"], f"{r['us_per_pair']:.2f}", f"{r['us_per_pair'] / base:.2f}")
+                   for r in results])
+    harness.write_json(args.json, results)
 
 
 if __name__ == "__main__":

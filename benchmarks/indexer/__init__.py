@@ -1,0 +1,1 @@
+"""The indexer's benchmarks: the kernels against their ceilings and torch, the chunked prefill."""
