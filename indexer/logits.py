@@ -170,7 +170,7 @@ _FP8 = getattr(torch, "float8_e4m3fn", None)
 _INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
 # 64 x 128 with 4 warps fits two programs per SM without spills (tests/test_indexer_compile.py
 # checks it for sm_90), which is what overlaps one program's relus with the other's products;
-# wider tiles (128 x 128 on 8 warps) spill. The benchmark's sweep (benchmarks/bench_indexer.py)
+# wider tiles (128 x 128 on 8 warps) spill. The benchmark's sweep (benchmarks/indexer/bench_indexer.py)
 # times the candidates and set_config() can pin a winner.
 _GPU_DEFAULT = LogitsConfig(64, 128, 4, 3)
 _CANDIDATES = (LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 4),

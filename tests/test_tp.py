@@ -4,7 +4,7 @@ a gloo all-reduce, and the seed program end to end on two gloo ranks, all in rea
 On the CPU no CUDA allocator exists to install, so every rank here runs with ``--allocator
 none``; that asking for the arena (or PyTorch's CUDA allocator) without CUDA is refused, and not
 skipped, is tested too. What needs GPUs (the arena under NCCL, device memory) is in
-benchmarks/tp_seed.py, run on the device machine.
+benchmarks/alloc/tp_seed.py, run on the device machine.
 """
 
 import importlib.util
@@ -189,7 +189,7 @@ def test_seed_program_helpers():
 def test_seed_program_on_two_gloo_ranks_matches_one_rank_and_the_references(tmp_path):
     out = tmp_path / "tp.json"
     md = tmp_path / "tp.md"
-    done = _run([sys.executable, "benchmarks/tp_seed.py", "--allocators", "none",
+    done = _run([sys.executable, "benchmarks/alloc/tp_seed.py", "--allocators", "none",
                  "--nproc-per-node", "2", "--prompt-tokens", "100", "--chunk-tokens", "50",
                  "--compress-ratio", "4", "--budget-bytes", "2048", "--topk", "8",
                  "--heads", "4", "--head-dim", "16", "--dtype", "fp32", "--hidden", "32",
@@ -223,7 +223,7 @@ def test_torchrun_alone_makes_the_seed_program_a_rank(tmp_path):
     """Plain torchrun on the script, without tp.launch: the script becomes the rank itself."""
     out = tmp_path / "r.json"
     done = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                 "--standalone", "benchmarks/tp_seed.py", "--allocator", "none",
+                 "--standalone", "benchmarks/alloc/tp_seed.py", "--allocator", "none",
                  "--prompt-tokens", "40", "--chunk-tokens", "40", "--topk", "4", "--heads", "2",
                  "--head-dim", "16", "--dtype", "fp32", "--hidden", "8", "--intermediate", "8",
                  "--mlp-dtype", "fp32", "--check-rows", "2", "--json", str(out)],
@@ -288,7 +288,7 @@ def test_seed_program_reports_gpu_runs(capsys):
     seed.print_comparison(out)
     printed = capsys.readouterr().out
     assert "exit 1" in printed and "some check failed" in printed
-    md = seed.markdown(out, ["benchmarks/tp_seed.py"])
+    md = seed.markdown(out, ["benchmarks/alloc/tp_seed.py"])
     assert md.count("| arena |") == 3 and md.count("| default |") == 2
     # A workspace that grew, or took a second reservation, fails the check.
     rows = results[1]["run"]["ranks"][0]["chunks"]

@@ -12,7 +12,7 @@ How NCCL's memory and the arena live together, per rank:
   allocator sees it: it is outside the arena's budget and statistics, as it is outside
   ``torch.cuda.memory_reserved()`` under PyTorch's allocator. On a unified-memory device the arena's
   guard sees it only through MemAvailable. ``RankContext.cost`` reads it as device memory taken
-  (cudaMemGetInfo) minus what the allocator reserved over the same steps; benchmarks/tp_seed.py
+  (cudaMemGetInfo) minus what the allocator reserved over the same steps; benchmarks/alloc/tp_seed.py
   reports it for process-group init plus the first collective, and for the first full-size
   all-reduce.
 - ProcessGroupNCCL's tensors (collective inputs and outputs, ``all_gather_object`` buffers) are
