@@ -175,7 +175,7 @@ def test_live_report_needs_the_installed_allocator(tmp_path):
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("report_example", ROOT / "benchmarks" / "report_example.py")
+    spec = importlib.util.spec_from_file_location("report_example", ROOT / "examples" / "report_example.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -168,7 +168,7 @@ def test_rank_environment_is_parsed_strictly():
 # --- the seed program, end to end -------------------------------------------------------------
 
 def _load_tp_seed():
-    spec = importlib.util.spec_from_file_location("tp_seed", ROOT / "benchmarks" / "tp_seed.py")
+    spec = importlib.util.spec_from_file_location("tp_seed", ROOT / "benchmarks" / "alloc" / "tp_seed.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
