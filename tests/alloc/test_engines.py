@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import alloc
 from alloc import engines
-from conftest import run_python
+from tests.support import run_python
 
 
 def _installed_as_a_distribution() -> bool:

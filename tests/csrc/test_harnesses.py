@@ -1,12 +1,11 @@
 """Multi-threaded stress: canaries in every block, blocks handed between threads.
 
-The C harness (tests/stress/stress.c) drives the core directly from real threads, millions of
+The C harness (tests/support/stress/stress.c) drives the core directly from real threads, millions of
 operations in about a second; the Python test drives the cffi face from Python threads, which the
 core runs without the GIL."""
 
 import ctypes
 import os
-import pathlib
 import random
 import shlex
 import subprocess
@@ -16,8 +15,8 @@ import threading
 import pytest
 
 from alloc import Arena, ArenaOutOfMemory
+from tests.support import ROOT, SUPPORT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
 
@@ -25,7 +24,7 @@ def build_harness(tmp_path, extra_flags=(), harness="stress"):
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / harness
     cmd = [*cc, "-O2", "-std=gnu11", "-pthread", *extra_flags, f"-I{CSRC}",
-           str(ROOT / "tests" / "stress" / f"{harness}.c"), *map(str, sorted(CSRC.glob("*.c"))), "-ldl",
+           str(SUPPORT / "stress" / f"{harness}.c"), *map(str, sorted(CSRC.glob("*.c"))), "-ldl",
            "-o", str(exe)]
     return exe, subprocess.run(cmd, capture_output=True, text=True)
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from alloc import Arena, ArenaOutOfMemory, HostGuard
 from alloc._core import ffi, lib
-from conftest import run_python
+from tests.support import run_python
 
 MiB = 1 << 20
 PAGE = 64 << 10

@@ -6,7 +6,7 @@ and test_graphs_gpu.py run over the same mapped pools, since auto maps wherever 
 
 import pytest
 
-from test_plugin_gpu import ORDINARY_WORK, run
+from tests.support.gpu import ORDINARY_WORK, run
 
 pytestmark = pytest.mark.gpu
 

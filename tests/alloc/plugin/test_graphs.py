@@ -8,7 +8,7 @@ allocators must print the same numbers, bit for bit."""
 
 import pytest
 
-from test_plugin_gpu import run
+from tests.support.gpu import run
 
 pytestmark = pytest.mark.gpu
 
