@@ -140,7 +140,7 @@ print(json.dumps({"held": held, "cached": cached, "after": alloc.memory_reserved
 def test_general_regions_cost_the_device_what_they_hold():
     """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
     alignment's padding) would cost a whole 2 MiB page a region, outside every pool's count.
-    Regions, so expandable:off (mapped pools have one stretch each: test_expandable_gpu.py)."""
+    Regions, so expandable:off (mapped pools have one stretch each: test_expandable.py)."""
     out = run("""
 alloc.install(alloc.Config(expandable="off"))
 torch.empty(1, device="cuda")
@@ -222,7 +222,7 @@ print(json.dumps({"ranges": ranges, "n": torch.cuda.device_count()}))
 
 
 def test_memory_stats_use_pytorch_key_names():
-    # Regions, whose sizes these figures spell out (test_expandable_gpu.py has the mapped ones).
+    # Regions, whose sizes these figures spell out (test_expandable.py has the mapped ones).
     out = run("""
 alloc.install(alloc.Config(budget_mb=16, expandable="off"))
 a = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
