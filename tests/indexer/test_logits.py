@@ -11,7 +11,7 @@ from indexer import logits as logits_mod
 from indexer import reference as ref
 from indexer import topk as topk_mod
 from tests.support import indexer_gpu as gpu
-from tests.support.indexer import FP32_TOL, make_inputs, make_paged, poisoned, rel_err
+from tests.support.indexer_cpu import FP32_TOL, make_inputs, make_paged, poisoned, rel_err
 from tests.support.sm90 import LOGITS_POINTERS, TRITON_DTYPE, compile_kernel, logits_ints, resources
 
 

@@ -12,7 +12,7 @@ from indexer import logits as logits_mod
 from indexer import reference as ref
 from indexer.logits_hopper import HopperConfig
 from tests.support import indexer_gpu as gpu
-from tests.support.indexer import rel_err
+from tests.support.indexer_cpu import rel_err
 from tests.support.sm90 import LOGITS_POINTERS, TARGET, TRITON_DTYPE, product_loops, resources, spill_ops
 
 

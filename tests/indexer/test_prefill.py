@@ -21,7 +21,7 @@ from indexer import (DenseKV, PagedKV, PrefillStats, mqa_logits, prefill_topk, r
 from indexer import reference as ref
 from tests.support import ROOT
 from tests.support import indexer_gpu as gpu
-from tests.support.indexer import make_paged, poisoned
+from tests.support.indexer_cpu import make_paged, poisoned
 
 
 # --- under the interpreter -------------------------------------------------------------------

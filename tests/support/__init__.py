@@ -1,6 +1,9 @@
 """Code the tests share that is not a fixture: the repository's root, a fresh interpreter, and
 (in the modules beside this one) recorded workloads, GPU preludes, kernel compilers, and the
-programs and C harnesses that tests start."""
+programs and C harnesses that tests start.
+
+No module here may share a name with a package: tp_probe.py runs as a script, with this folder
+first on sys.path (hence indexer_cpu.py, not indexer.py)."""
 
 import os
 import subprocess
