@@ -140,10 +140,10 @@ def test_logits_and_topk_against_reference(dtype, h):
     torch_idx = ref.topk(exact, ks, ke, gpu.K)
     agree_torch = ref.topk_agreement(exact, torch_idx, ks, ke, gpu.K)
     gpu.report(test="logits+topk", dtype=str(dtype), H=h, M=m, N=n, rel_err_exact=err_exact,
-           rel_err_truth=err_truth, topk_valid_rows=int(valid.sum()), rows=m,
-           agree_exact_mean=agree_exact.mean().item(), agree_exact_min=agree_exact.min().item(),
-           agree_truth_mean=agree_truth.mean().item(), agree_truth_min=agree_truth.min().item(),
-           paths=topk_mod.path_counts(path))
+               rel_err_truth=err_truth, topk_valid_rows=int(valid.sum()), rows=m,
+               agree_exact_mean=agree_exact.mean().item(), agree_exact_min=agree_exact.min().item(),
+               agree_truth_mean=agree_truth.mean().item(), agree_truth_min=agree_truth.min().item(),
+               paths=topk_mod.path_counts(path))
     assert err_exact < gpu.EXACT_TOL[dtype]
     assert err_truth < gpu.TRUTH_TOL[dtype]
     assert valid.all(), "the top-k must be exact for the logits it was given"
@@ -162,7 +162,7 @@ def test_paged_equals_dense(dtype):
     n, m = sum(kv_lens), 1024
     g = gpu.gen(11)
     q, kv, row_scale = gpu.quantize(torch.randn(m, h, d, generator=g, device="cuda"),
-                                torch.randn(n, d, generator=g, device="cuda"), dtype)
+                                    torch.randn(n, d, generator=g, device="cuda"), dtype)
     kv_scale = row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)
     w = torch.randn(m, h, generator=g, device="cuda")
     ks, ke = gpu.ragged_rows(m, n, g)

@@ -13,7 +13,8 @@ from indexer import reference as ref
 from indexer.logits_hopper import HopperConfig
 from tests.support import indexer_gpu as gpu
 from tests.support.indexer_cpu import rel_err
-from tests.support.sm90 import LOGITS_POINTERS, TARGET, TRITON_DTYPE, product_loops, resources, spill_ops
+from tests.support.sm90 import (LOGITS_POINTERS, TARGET, TRITON_DTYPE, product_loops, resources,
+                                spill_ops)
 
 
 # --- the configuration -----------------------------------------------------------------------
@@ -64,7 +65,7 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     m, n, ratio, page = 1000, 3001, 2, 16
     g = gpu.gen(100 + h + d)
     q, kv, row_scale = gpu.quantize(torch.randn(m, h, d, generator=g, device="cuda"),
-                                torch.randn(n, d, generator=g, device="cuda"), dtype)
+                                    torch.randn(n, d, generator=g, device="cuda"), dtype)
     kv_scale = (row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)).float()
     w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
     ks, ke = gpu.ragged_rows(m, n, g)
@@ -78,8 +79,8 @@ def test_hopper_kernel_matches_portable_and_reference(dtype, h, d, shape):
     assert torch.equal(torch.isinf(out), torch.isinf(exact)), "-inf exactly outside [ks, ke)"
     err_portable, err_exact = rel_err(out, want.double()), rel_err(out, exact)
     gpu.report(test="hopper kernel", config=repr(ws), dtype=str(dtype), H=h, D=d,
-           rel_err_portable=err_portable,
-           rel_err_exact=err_exact)
+               rel_err_portable=err_portable,
+               rel_err_exact=err_exact)
     assert err_portable < portable_tol(dtype, ws) and err_exact < gpu.EXACT_TOL[dtype]
 
     # clean=False writes every tile that holds an in-range column, and only those
@@ -146,7 +147,7 @@ def test_hopper_kernel_balanced_walk_skips_and_cleans_tiles(dtype, shape, m, n):
     ws = logits_mod.HopperConfig(*shape)
     g = gpu.gen(7 + m)
     q, kv, row_scale = gpu.quantize(torch.randn(m, h, d, generator=g, device="cuda"),
-                                torch.randn(n, d, generator=g, device="cuda"), dtype)
+                                    torch.randn(n, d, generator=g, device="cuda"), dtype)
     kv_scale = (row_scale * (torch.rand(n, generator=g, device="cuda") + 0.5)).float()
     w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
     ks, ke = block_rows(m, n, g)
@@ -161,7 +162,7 @@ def test_hopper_kernel_balanced_walk_skips_and_cleans_tiles(dtype, shape, m, n):
     assert torch.equal(torch.isfinite(out), inside), "-inf exactly outside [ks, ke)"
     err = rel_err(out, want.double())
     gpu.report(test="hopper walk", config=repr(ws), M=m, N=n, active=active.float().mean().item(),
-           rel_err_portable=err)
+               rel_err_portable=err)
     assert err < portable_tol(dtype, ws)
 
     poison = torch.full_like(buf, 7.0)[:, :n]

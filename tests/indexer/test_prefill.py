@@ -294,7 +294,7 @@ def driver_batch(seed=21):
     t = sum(QUERY_LENS)
     nkv = sum(s // RATIO for s in SEQ_LENS)
     q, kv, row_scale = gpu.quantize(torch.randn(t, 64, 128, generator=g, device="cuda"),
-                                torch.randn(nkv, 128, generator=g, device="cuda"), gpu.FP8)
+                                    torch.randn(nkv, 128, generator=g, device="cuda"), gpu.FP8)
     w = torch.randn(t, 64, generator=g, device="cuda") / 8
     return q, w, kv, row_scale.float()
 
@@ -344,7 +344,7 @@ def test_prefill_driver_matches_whole_request_computation():
                          max_logits_bytes=BUDGET, compress_ratio=RATIO, workspace=scope)
     assert torch.equal(paged, got)
     gpu.report(test="driver", pieces=stats.pieces, max_piece_bytes=stats.max_piece_bytes,
-           budget=BUDGET, agree_exact_mean=agree.mean().item(), agree_exact_min=agree.min().item())
+               budget=BUDGET, agree_exact_mean=agree.mean().item(), agree_exact_min=agree.min().item())
     assert stats.pieces > 3 and stats.max_piece_bytes <= BUDGET
     assert agree.mean().item() >= gpu.EXACT_AGREE[gpu.FP8][0]
 

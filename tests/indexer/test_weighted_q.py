@@ -90,7 +90,7 @@ def test_weighted_q_parts_round_to_nearest(dtype, terms):
     g = gpu.gen(300 + terms)
     m, h, d = 1000, 64, 128
     q = gpu.quantize(torch.randn(m, h, d, generator=g, device="cuda"),
-                 torch.randn(1, d, device="cuda"), dtype)[0]
+                     torch.randn(1, d, device="cuda"), dtype)[0]
     w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
     parts, row_scale = split_weighted_q(q, w, terms)
     want = (q.double() * w.double()[:, :, None]).sum(1)
