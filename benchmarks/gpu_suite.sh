@@ -48,14 +48,14 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
   case "$stage" in
     setup) setup ;;
     tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
-                   tests/test_plugin_gpu.py tests/test_expandable_gpu.py tests/test_scoped_gpu.py \
-                   tests/test_plugin_cpu.py tests/test_unified.py ;;
+                   tests/alloc/plugin/test_gpu.py tests/alloc/plugin/test_expandable.py tests/alloc/plugin/test_scoped.py \
+                   tests/alloc/plugin/test_cpu.py tests/alloc/test_unified.py ;;
     tests-graphs) step gpu_tests_graphs $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} \
-                    tests/test_graphs_gpu.py tests/test_plugin_gpu.py ;;
+                    tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py ;;
     tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider \
-                    tests/test_scoped_gpu.py tests/test_engines.py \
-                    "tests/test_indexer_gpu.py::test_prefill_same_indices_with_and_without_the_arena" ;;
-    tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider tests/test_indexer_gpu.py ;;
+                    tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py \
+                    "tests/indexer/test_prefill.py::test_prefill_same_indices_with_and_without_the_arena" ;;
+    tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider tests/indexer ;;
     alloc-bench)
       step seed_workload $py examples/seed_workload.py --json "$OUT/seed_workload.json"
       step torch_alloc $py benchmarks/alloc/bench_torch_alloc.py --json "$OUT/torch_alloc.json"

@@ -118,3 +118,17 @@ def test_a_csv_trace_and_a_json_report_are_read_without_the_compiled_core(tmp_pa
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["csv [('alloc', 4096, 'workspace'), ('free', 4096, 'workspace')]",
                                         "4096 4096 4096"]
+
+
+def test_the_tests_import_this_trees_packages():
+    """The test folders carry the packages' names (tests/alloc, tests/indexer...): none may stand
+    in for the package it tests, and the packages tested are this tree's."""
+    import alloc
+    import arena_tools
+    import indexer
+    import tp
+    from tests import support
+    for module in (alloc, arena_tools, indexer, tp):
+        assert module.__file__ is not None, f"{module.__name__} is a namespace package: {module.__path__}"
+        assert pathlib.Path(module.__file__).resolve() == ROOT / module.__name__ / "__init__.py", module.__file__
+    assert support.ROOT == ROOT

@@ -1,6 +1,6 @@
 """Thread caches (csrc/thread_cache.c) seen from Python: what a cached block counts as, stream
 order, frees from other threads, thread exit, and what must take cached blocks back. The threaded
-C harnesses are in test_arena_stress.py."""
+C harnesses are in tests/csrc/test_harnesses.py."""
 
 import threading
 import time

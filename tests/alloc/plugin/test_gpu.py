@@ -5,39 +5,9 @@ import json
 
 import pytest
 
-from conftest import run_python
+from tests.support.gpu import ORDINARY_WORK, run
 
 pytestmark = pytest.mark.gpu
-
-PRELUDE = """
-import contextlib, json, os, threading, time
-import torch
-import alloc
-"""
-
-
-def run(body: str, env: dict | None = None, timeout: float = 300) -> dict:
-    done = run_python(PRELUDE + body, env=env, timeout=timeout)
-    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-ORDINARY_WORK = """
-g = torch.Generator(device="cuda").manual_seed(1234)
-x = torch.randn(1537, 769, device="cuda", generator=g)
-w = torch.randn(769, 1025, device="cuda", generator=g)
-conv = torch.nn.Conv2d(3, 17, 5).cuda()
-torch.manual_seed(0); conv.reset_parameters()
-img = torch.randn(4, 3, 67, 61, device="cuda", generator=g)
-outs = {
-  "matmul": (x @ w).double().sum().item(),
-  "softmax": torch.softmax(x, 1).double().sum().item(),
-  "cumsum": torch.cumsum(x, 0)[-1].double().sum().item(),
-  "conv": conv(img).double().sum().item(),
-  "sort": torch.sort(x.flatten())[0][::997].double().sum().item(),
-  "cat": torch.cat([x[:100], x[-100:]]).double().sum().item(),
-}
-"""
 
 
 def test_ordinary_work_matches_the_default_allocator():
@@ -170,7 +140,7 @@ print(json.dumps({"held": held, "cached": cached, "after": alloc.memory_reserved
 def test_general_regions_cost_the_device_what_they_hold():
     """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
     alignment's padding) would cost a whole 2 MiB page a region, outside every pool's count.
-    Regions, so expandable:off (mapped pools have one stretch each: test_expandable_gpu.py)."""
+    Regions, so expandable:off (mapped pools have one stretch each: test_expandable.py)."""
     out = run("""
 alloc.install(alloc.Config(expandable="off"))
 torch.empty(1, device="cuda")
@@ -252,7 +222,7 @@ print(json.dumps({"ranges": ranges, "n": torch.cuda.device_count()}))
 
 
 def test_memory_stats_use_pytorch_key_names():
-    # Regions, whose sizes these figures spell out (test_expandable_gpu.py has the mapped ones).
+    # Regions, whose sizes these figures spell out (test_expandable.py has the mapped ones).
     out = run("""
 alloc.install(alloc.Config(budget_mb=16, expandable="off"))
 a = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")

@@ -8,7 +8,6 @@ import struct
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -17,9 +16,9 @@ from hypothesis import strategies as st
 from arena_tools.fit import SEED, Alloc, Free, fit, logits_width, main, replay, seed_workload
 from arena_tools.torch_model import (LARGE_BUFFER, SMALL_SIZE, CachingAllocatorModel, ModelOutOfMemory,
                                allocation_size, round_size, roundup_power2_next_division)
+from tests.support import ROOT
 
 MiB = 1 << 20
-ROOT = Path(__file__).resolve().parents[1]
 
 # Measured on one H200, torch 2.11, seed workload, torch.cuda.memory_reserved (docs: GUIDE.md).
 MEASURED_AT_166400 = 13_522 * MiB

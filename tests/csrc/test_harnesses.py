@@ -1,12 +1,11 @@
 """Multi-threaded stress: canaries in every block, blocks handed between threads.
 
-The C harness (tests/stress/stress.c) drives the core directly from real threads, millions of
+The C harness (tests/support/stress/stress.c) drives the core directly from real threads, millions of
 operations in about a second; the Python test drives the cffi face from Python threads, which the
 core runs without the GIL."""
 
 import ctypes
 import os
-import pathlib
 import random
 import shlex
 import subprocess
@@ -16,8 +15,8 @@ import threading
 import pytest
 
 from alloc import Arena, ArenaOutOfMemory
+from tests.support import ROOT, SUPPORT
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
 
 
@@ -25,7 +24,7 @@ def build_harness(tmp_path, extra_flags=(), harness="stress"):
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / harness
     cmd = [*cc, "-O2", "-std=gnu11", "-pthread", *extra_flags, f"-I{CSRC}",
-           str(ROOT / "tests" / "stress" / f"{harness}.c"), *map(str, sorted(CSRC.glob("*.c"))), "-ldl",
+           str(SUPPORT / "stress" / f"{harness}.c"), *map(str, sorted(CSRC.glob("*.c"))), "-ldl",
            "-o", str(exe)]
     return exe, subprocess.run(cmd, capture_output=True, text=True)
 
@@ -95,7 +94,7 @@ EXIT_BUILDS = {
 @pytest.mark.parametrize("build", list(EXIT_BUILDS))
 @pytest.mark.parametrize("mode", ["churn", "destroy"])
 def test_c_threads_that_end_while_their_caches_hold_blocks(tmp_path, build, mode):
-    """tests/stress/thread_exit.c: workers with thread caches return, pthread_exit or are cancelled
+    """tests/support/stress/thread_exit.c: workers with thread caches return, pthread_exit or are cancelled
     mid-loop (churn), or see their arena destroyed and replaced while their caches hold blocks
     (destroy); an ownership map catches a block handed out twice, canaries catch overwrites, the
     invariant walk runs while they work, and at the end the arena is one free block."""
@@ -135,7 +134,7 @@ def test_c_threads_over_a_mapping_arena_while_one_gives_pages_back(tmp_path, fla
                          ids=["plain", "invariant-walk", "thread-sanitizer"])
 def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
     """Eager threads and a capturing thread through the plugin, canaries in every block; no pool
-    left, nothing live and no capture rule broken at the end (tests/stress/graphs_stress.c)."""
+    left, nothing live and no capture rule broken at the end (tests/support/stress/graphs_stress.c)."""
     exe, built = build_harness(tmp_path, flags, harness="graphs_stress")
     if built.returncode != 0 and "-fsanitize=thread" in flags:
         pytest.skip(f"this toolchain cannot build with -fsanitize=thread: {built.stderr[-300:]}")
@@ -147,7 +146,7 @@ def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
 
 
 def test_random_operation_sequences_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """tests/stress/fuzz.c: random sequences on a fixed, a growable and a mapping arena, each with
+    """tests/support/stress/fuzz.c: random sequences on a fixed, a growable and a mapping arena, each with
     and without thread caches, and on the plugin's pools (host memory; general pools mapped for even
     seeds), invariant walks along the way; seeds fixed, so a failure replays.
     Seed 4 found a carve-out giving memory back during a capture, which recorded an event on the

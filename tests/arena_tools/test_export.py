@@ -13,7 +13,7 @@ from arena_tools import export
 from arena_tools.export import DAY_NS, TraceFormatError
 from arena_tools.arena_report import collect
 from alloc.trace import Trace
-from trace_workload import BUDGET, record
+from tests.support.trace_workload import BUDGET, record
 
 
 # The opcodes PyTorch's MemoryViz.js unpickler handles (torch/utils/viz/MemoryViz.js, unpickle()).

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import alloc
-from conftest import run_python
+from tests.support import run_python
 
 OOM_VIA_SHIM = """
 from alloc._core import ffi, lib

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import alloc
 from alloc import engines
-from conftest import run_python
+from tests.support import run_python
 
 
 def _installed_as_a_distribution() -> bool:
@@ -79,7 +79,7 @@ def test_the_chosen_scope_is_installed_for_real():
     # handed to alloc.install, whose refusal reaches the engine.
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: tests/test_scoped_gpu.py installs for real")
+        pytest.skip("this machine has CUDA: tests/alloc/plugin/test_scoped.py installs for real")
     done = run_python("""
 import alloc
 from alloc import engines

@@ -10,7 +10,7 @@ from arena_tools.arena_report import collect
 from arena_tools.export import TraceFile
 from arena_tools.plan import ALLOC, FAIL, FREE, LARGE, SMALL, WORKSPACE, compile_trace, run_ops
 from alloc.trace import Event
-from trace_workload import BUDGET, MiB, record
+from tests.support.trace_workload import BUDGET, MiB, record
 
 
 @pytest.fixture(scope="module")

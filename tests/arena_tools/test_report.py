@@ -3,16 +3,15 @@ report, snapshots and CSV traces; text, JSON and PNG come out; the report exampl
 
 import importlib.util
 import json
-import pathlib
 
 import pytest
 
 from alloc import Arena, ArenaError
 from arena_tools import arena_report, export, report
 from alloc.arena import STAT_NAMES
-from trace_workload import BUDGET, MiB, record
+from tests.support import ROOT
+from tests.support.trace_workload import BUDGET, MiB, record
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 KiB = 1 << 10
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -134,10 +134,9 @@ def test_config_defaults_are_the_key_table():
 
 
 def test_readme_configuration_table_is_the_key_table():
-    import pathlib
-
     from alloc.config import markdown_keys
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    from tests.support import ROOT
+    readme = (ROOT / "README.md").read_text()
     start = readme.index("| key | default | meaning |")
     end = readme.find("\n\n", start)
     assert readme[start:end if end >= 0 else None].rstrip("\n") == markdown_keys()

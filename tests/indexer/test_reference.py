@@ -131,7 +131,7 @@ def test_agreement_on_empty_rows_is_one():
 
 
 def test_cpu_tensors_without_the_interpreter_say_what_to_set():
-    from conftest import run_python
+    from tests.support import run_python
     done = run_python("""
 import torch, indexer
 q, w, kv = torch.randn(4, 2, 64), torch.rand(4, 2), torch.randn(4, 64)

@@ -1,4 +1,4 @@
-"""One rank of tests/test_tp.py: reports what the rank was given and checks the sharded MLP.
+"""One rank of tests/tp/test_launch.py: reports what the rank was given and checks the sharded MLP.
 
 Run by ``python -m tp.launch`` or ``torchrun -m tp.launch`` with ``--allocator none``; writes
 ``OUT_DIR/rank<R>.json``. Argument: OUT_DIR, then any extra arguments (echoed back, to show that

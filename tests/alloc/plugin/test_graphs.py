@@ -8,7 +8,7 @@ allocators must print the same numbers, bit for bit."""
 
 import pytest
 
-from test_plugin_gpu import run
+from tests.support.gpu import run
 
 pytestmark = pytest.mark.gpu
 
@@ -350,5 +350,5 @@ del inside, pool
 import gc; gc.collect()
 print(json.dumps({"placed": placed, "use_count": use_count, "left": alloc.graph_pools()}))
 """)
-    # (one with an allocator of its own: test_scoped_gpu.py::test_another_mempool_over_another_allocator)
+    # (one with an allocator of its own: test_scoped.py::test_another_mempool_over_another_allocator)
     assert out["placed"] == [True, False] and out["use_count"] == 1 and out["left"] == [], out

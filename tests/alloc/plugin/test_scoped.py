@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from test_plugin_gpu import ORDINARY_WORK, run
+from tests.support.gpu import ORDINARY_WORK, run
 
 pytestmark = pytest.mark.gpu
 

@@ -3,7 +3,7 @@ unmapped by release_cached. The host backend simulates a device's page mapping (
 reserved inaccessible, a mapped page is read-write and zero-filled, an unmapped one is discarded)
 and counts every map and unmap, and every call the CUDA driver would refuse, so these tests see
 exactly what the arena asks of a mapping backend. The plugin's mapped general pools are tested at
-the end, each in a fresh interpreter as in test_graph_pools.py."""
+the end, each in a fresh interpreter as in plugin/test_graph_pools.py."""
 
 import ctypes
 import threading
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from alloc import Arena, ArenaOutOfMemory, HostGuard
 from alloc._core import ffi, lib
-from conftest import run_python
+from tests.support import run_python
 
 MiB = 1 << 20
 PAGE = 64 << 10
@@ -700,7 +700,7 @@ def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
         assert merged((s["address"], s["total_size"]) for s in segments) == merged((r.base, r.size) for r in a.regions())
 
 
-# -- the GPU failures of test_expandable_gpu.py, replayed over the host simulation ----------------
+# -- the GPU failures of plugin/test_expandable.py, replayed over the host simulation -------------
 # (docs/vmm-gpu-failures.md.) Each replays what the failing GPU test asked of the pools, with the
 # host mapping backend's 2 MiB pages in place of the driver's, and shows the figure the GPU run
 # reported coming out of a release that did unmap every whole free page: the tests measured after

@@ -1,12 +1,12 @@
 """The general pools over the CUDA driver's page mapping (expandable, default auto) on a real GPU:
 one address range per pool, 2 MiB pages mapped as blocks need them and unmapped by
 torch.cuda.empty_cache(). Each test runs in a fresh interpreter (the allocator is chosen before
-CUDA starts, and a wrong unmap would poison the CUDA context). The tests of test_plugin_gpu.py
-and test_graphs_gpu.py run over the same mapped pools, since auto maps wherever the driver can."""
+CUDA starts, and a wrong unmap would poison the CUDA context). The tests of test_gpu.py
+and test_graphs.py run over the same mapped pools, since auto maps wherever the driver can."""
 
 import pytest
 
-from test_plugin_gpu import ORDINARY_WORK, run
+from tests.support.gpu import ORDINARY_WORK, run
 
 pytestmark = pytest.mark.gpu
 
@@ -64,7 +64,7 @@ print(json.dumps({{"expandable": alloc.device_is_expandable(0), "large": s["aren
 
 
 def test_mapped_pools_cost_the_device_what_they_map():
-    """The device pays for the pages mapped and no more (test_plugin_gpu.py checks the same of
+    """The device pays for the pages mapped and no more (test_gpu.py checks the same of
     regions): the large tensors fill the pages of one stretch, and the small ones share pages."""
     out = run("""
 alloc.install()

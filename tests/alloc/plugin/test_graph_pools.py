@@ -8,7 +8,7 @@ hold."""
 
 import pytest
 
-from conftest import run_python
+from tests.support import run_python
 
 PRELUDE = """
 from alloc._core import ffi, lib

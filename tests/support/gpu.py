@@ -1,0 +1,36 @@
+"""What the GPU tests of the allocator share: a child interpreter that prints one JSON line, and
+a piece of ordinary work whose results must not depend on the allocator."""
+
+import json
+
+from tests.support import run_python
+
+PRELUDE = """
+import contextlib, json, os, threading, time
+import torch
+import alloc
+"""
+
+
+def run(body: str, env: dict | None = None, timeout: float = 300) -> dict:
+    done = run_python(PRELUDE + body, env=env, timeout=timeout)
+    assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+ORDINARY_WORK = """
+g = torch.Generator(device="cuda").manual_seed(1234)
+x = torch.randn(1537, 769, device="cuda", generator=g)
+w = torch.randn(769, 1025, device="cuda", generator=g)
+conv = torch.nn.Conv2d(3, 17, 5).cuda()
+torch.manual_seed(0); conv.reset_parameters()
+img = torch.randn(4, 3, 67, 61, device="cuda", generator=g)
+outs = {
+  "matmul": (x @ w).double().sum().item(),
+  "softmax": torch.softmax(x, 1).double().sum().item(),
+  "cumsum": torch.cumsum(x, 0)[-1].double().sum().item(),
+  "conv": conv(img).double().sum().item(),
+  "sort": torch.sort(x.flatten())[0][::997].double().sum().item(),
+  "cat": torch.cat([x[:100], x[-100:]]).double().sum().item(),
+}
+"""

@@ -1,0 +1,124 @@
+"""Compiling the GPU kernels ahead of time for Hopper (sm_90) on the CPU, with the ptxas that
+ships in Triton's wheel, and reading the result (registers, stack, the SASS of the innermost
+loops). No GPU is needed; what this cannot show is speed or numerical results. The tests that
+use it are marked ``compiled``; ``unavailable()`` says why they cannot run here, if they cannot.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from indexer import logits as logits_mod
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError as e:  # pragma: no cover - a very old or very new Triton
+    GPUTarget = ASTSource = None
+    _IMPORT_ERROR = f"this Triton has no ASTSource/GPUTarget compile API ({e})"
+else:
+    _IMPORT_ERROR = ""
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def unavailable() -> str:
+    """Why the kernels cannot be compiled for sm_90 here; empty when they can."""
+    if _IMPORT_ERROR:
+        return _IMPORT_ERROR
+    if not (BIN / "ptxas").exists():
+        return "Triton's NVIDIA backend (ptxas) is not installed"
+    return ""
+
+
+TARGET = GPUTarget("cuda", 90, 32) if GPUTarget else None
+TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3, **options):
+    """Compile like a launch would: ints equal to 1 become constants and ints divisible by 16
+    carry that divisibility (Triton's default specialization), pointers are 16-byte aligned.
+    ``options`` go to the compiler as a launch's would (e.g. maxnreg)."""
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointer_types:
+            signature[name] = "*" + pointer_types[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints[name] == 1:
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    try:
+        src = ASTSource(fn, signature, consts, attrs)
+    except TypeError as e:  # this Triton describes kernels differently; not a kernel bug
+        pytest.skip(f"ASTSource API differs in Triton {triton.__version__}: {e}")
+    return triton.compile(src, target=TARGET,
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+
+
+LOGITS_POINTERS = dict(p_kv_scale="fp32", p_w="fp32", p_ks="i32", p_ke="i32", p_out="fp32",
+                       p_block_table="i32", p_cu_kv="i32")
+
+
+def logits_ints(h, d, paged, m=4096, n=65536, page=64):
+    """Argument values of the benchmark's launch (dense) or of a paged one over a cache of
+    ``page``-entry pages and three requests."""
+    ints = dict(M=m, N=n, num_reqs=1, n_steps=0, stride_qm=h * d, stride_qh=d,
+                stride_kv_0=d, stride_kv_1=0, stride_sc_0=1, stride_sc_1=0, stride_wm=h,
+                stride_wh=1, stride_om=logits_mod.row_stride_elems(n), stride_bt=0)
+    if paged:
+        ints.update(num_reqs=3, n_steps=2, stride_kv_0=page * d, stride_kv_1=d,
+                    stride_sc_0=page, stride_sc_1=1, stride_bt=1024)
+    return ints
+
+
+def _cuobjdump(kernel, flag: str) -> str:
+    tool = BIN / "cuobjdump"
+    if not tool.exists() or shutil.which(str(tool)) is None:
+        pytest.skip("cuobjdump not shipped with this Triton")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def resources(kernel) -> dict:
+    text = _cuobjdump(kernel, "--dump-resource-usage")
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", text)}
+
+
+def innermost_loops(kernel) -> list[list[str]]:
+    """The SASS of each innermost loop (a backward branch whose body holds no other)."""
+    ins = [(int(a, 16), op.strip()) for a, op in
+           re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", _cuobjdump(kernel, "-sass"))]
+    at = {a: i for i, (a, _) in enumerate(ins)}
+    backward = [(at[int(m.group(1), 16)], i) for i, (a, op) in enumerate(ins)
+                for m in [re.search(r"BRA (?:!?U?P\d, )?0x([0-9a-f]+)", op)]
+                if m and int(m.group(1), 16) < a and int(m.group(1), 16) in at]
+    return [[op for _, op in ins[lo:hi + 1]] for lo, hi in backward
+            if not any(lo <= a < b <= hi and (a, b) != (lo, hi) for a, b in backward)]
+
+
+def product_loops(kernel) -> list[list[str]]:
+    """The innermost loops that run a wgmma and the weighted relus after it."""
+    return [body for body in innermost_loops(kernel)
+            if any("GMMA" in op for op in body) and any("FFMA" in op for op in body)]
+
+
+def spill_ops(body: list[str]) -> int:
+    return sum(bool(re.search(r"\b(LDL|STL)\b", op)) for op in body)
