@@ -168,7 +168,7 @@ class LogitsConfig:
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
-# 64 x 128 with 4 warps fits two programs per SM without spills (tests/test_indexer_compile.py
+# 64 x 128 with 4 warps fits two programs per SM without spills (tests/indexer (its compiled tests)
 # checks it for sm_90), which is what overlaps one program's relus with the other's products;
 # wider tiles (128 x 128 on 8 warps) spill. The benchmark's sweep (benchmarks/indexer/bench_indexer.py)
 # times the candidates and set_config() can pin a winner.

@@ -746,7 +746,7 @@ def default_config(k: int, device: str = "cuda") -> TopkConfig:
 
 
 def sweep_configs(k: int) -> list[TopkConfig]:
-    """Candidates for a GPU sweep (the first is the default); tests/test_indexer_compile.py
+    """Candidates for a GPU sweep (the first is the default); tests/indexer (its compiled tests)
     checks that each compiles for sm_90 with no spills in the row passes under its register
     cap."""
     base = default_config(k)

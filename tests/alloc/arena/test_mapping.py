@@ -701,7 +701,7 @@ def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
 
 
 # -- the GPU failures of plugin/test_expandable.py, replayed over the host simulation -------------
-# (docs/vmm-gpu-failures.md.) Each replays what the failing GPU test asked of the pools, with the
+# (The diagnosis of run 50: docs/vmm-gpu-failures.md at commit 26e5e45.) Each replays what the failing GPU test asked of the pools, with the
 # host mapping backend's 2 MiB pages in place of the driver's, and shows the figure the GPU run
 # reported coming out of a release that did unmap every whole free page: the tests measured after
 # something else was allocated, or kept a tensor live, not a release that left pages mapped.
