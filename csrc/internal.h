@@ -2,6 +2,7 @@
 #ifndef INDEXER_ARENA_INTERNAL_H
 #define INDEXER_ARENA_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 
 #include "arena.h"
@@ -238,7 +239,7 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
  * takes one back the same way. The arena sees a lent block as not free, so it neither hands it out
  * nor merges it until the cache gives it back: when the cache holds more free bytes than its limit
  * (largest blocks first), when a request fits nowhere else, when the thread exits, and whenever the
- * arena needs its merged free state (arena.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
+ * arena needs its merged free state (arena_caches.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
  * lock, then its caches' locks; a cache's owner takes its cache's lock alone on the fast path. */
 
 /* The fast path's counters, which the arena adds into its own under both locks (fold). */
@@ -296,5 +297,178 @@ void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t devic
 
 /* "1.50 MiB"-style rendering for messages; writes into buf and returns it. */
 const char *_ia_format_bytes(uint64_t bytes, char *buf, size_t len);
+
+/* ---- The arena's state and the calls between its files (arena*.c) -------------------------------
+ * arena.c: size classes, allocation and free; arena_regions.c: reservations; arena_blocks.c: block
+ * headers and the address table; arena_streams.c: stream-ordered reuse; arena_mapped.c: mapped stretches; arena_caches.c:
+ * the arena's side of thread caches; arena_stats.c: statistics and listings; arena_check.c: the
+ * invariant walk. Everything below runs under the arena's lock unless it says otherwise. */
+
+#define IA_SLAB_BLOCKS 256
+/* No reservation comes near this; above it the class arithmetic could overflow. */
+#define IA_MAX_REQUEST ((size_t)1 << 62)
+
+struct _ia_region {
+  void *raw;
+  size_t raw_size;
+  uintptr_t base;
+  size_t size;
+  _ia_block_t *first;
+  _ia_region_t *next;
+};
+
+typedef struct _ia_slab {
+  struct _ia_slab *next;
+  _ia_block_t blocks[IA_SLAB_BLOCKS];
+} _ia_slab_t;
+
+typedef struct {
+  ia_stream_t stream;
+  void *event;
+  uint64_t recorded_seq; /* frees up to this sequence number are behind the recorded event */
+} _ia_stream_state_t;
+
+struct ia_arena {
+  pthread_mutex_t lock;
+  ia_arena_options_t opts;
+  ia_backend_t *backend;
+
+  _ia_region_t *regions; /* oldest first: a region's index in reports stays put as others come */
+  uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
+
+  uint64_t fl_bitmap;
+  uint32_t sl_bitmap[IA_FL_COUNT];
+  _ia_block_t *bins[IA_FL_COUNT][IA_SL_COUNT];
+
+  _ia_table_t table; /* every block not free here: live, or lent to a thread cache */
+
+  _ia_slab_t *slabs;
+  _ia_block_t *spare_blocks;
+
+  _ia_stream_state_t *streams;
+  size_t n_streams, cap_streams;
+  uint64_t free_seq;
+
+  _ia_tcache_t **caches; /* the threads' caches of this arena */
+  size_t n_caches, cap_caches;
+
+  ia_totals_t *totals;
+  const _Atomic int *captures; /* the device's capture count, when it has one */
+  _ia_region_hook_t on_region;
+  void *on_region_ctx;
+  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
+  ia_trace_t *_Atomic trace;
+  _Atomic uint64_t trace_tag;
+
+  /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */
+  size_t page;
+  uintptr_t range_base;
+  size_t range_size;
+
+  ia_stats_t stats;
+};
+
+static inline void _ia_arena_trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
+                                   ia_stream_t stream) {
+  ia_trace_t *t = atomic_load_explicit(&a->trace, memory_order_acquire);
+  if (!t) return;
+  uint64_t tag = atomic_load_explicit(&a->trace_tag, memory_order_relaxed);
+  _ia_trace_record(t, action, (int32_t)(tag >> 8), (uint8_t)tag, address, size, stream);
+}
+
+static inline void _ia_raise_peak(_Atomic uint64_t *peak, uint64_t value) {
+  uint64_t seen = atomic_load_explicit(peak, memory_order_relaxed);
+  while (value > seen && !atomic_compare_exchange_weak_explicit(peak, &seen, value, memory_order_relaxed,
+                                                                memory_order_relaxed)) {
+  }
+}
+
+/* Called without the arena's lock too (the thread-cache fast path): the totals are atomics. */
+static inline void _ia_totals_add(ia_arena_t *a, int64_t in_use, int64_t capacity) {
+  ia_totals_t *t = a->totals;
+  if (!t) return;
+  if (in_use) _ia_raise_peak(&t->in_use_peak, atomic_fetch_add(&t->in_use, (uint64_t)in_use) + (uint64_t)in_use);
+  if (capacity)
+    _ia_raise_peak(&t->capacity_peak, atomic_fetch_add(&t->capacity, (uint64_t)capacity) + (uint64_t)capacity);
+}
+
+/* While a stream of the device captures a CUDA graph, nothing goes back to the backend: a free
+ * synchronizes the device, which a capture forbids. */
+static inline bool _ia_capturing(const ia_arena_t *a) { return a->captures && atomic_load(a->captures) > 0; }
+
+/* arena.c */
+void _ia_bin_insert(ia_arena_t *a, _ia_block_t *b);
+void _ia_bin_remove(ia_arena_t *a, _ia_block_t *b);
+_ia_block_t *_ia_find_free(ia_arena_t *a, size_t size);
+void _ia_merge_into(ia_arena_t *a, _ia_block_t *left, _ia_block_t *right);
+void _ia_make_free(ia_arena_t *a, _ia_block_t *b, ia_stream_t stream);
+/* arena_regions.c */
+_ia_region_t *_ia_region_of(const ia_arena_t *a, uintptr_t p);
+ia_status_t _ia_region_add(ia_arena_t *a, size_t size);
+void _ia_region_drop(ia_arena_t *a, _ia_region_t *r);
+bool _ia_over_limit(const ia_arena_t *a, size_t want);
+ia_status_t _ia_grow(ia_arena_t *a, size_t size);
+uint64_t _ia_release_free_regions(ia_arena_t *a);
+/* arena_blocks.c */
+_ia_block_t *_ia_block_new(ia_arena_t *a);
+void _ia_block_delete(ia_arena_t *a, _ia_block_t *b);
+/* arena_streams.c */
+_ia_stream_state_t *_ia_stream_state(ia_arena_t *a, ia_stream_t s, ia_status_t *st);
+ia_status_t _ia_order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed_on, uint64_t free_seq);
+/* arena_mapped.c */
+ia_status_t _ia_reserve_range(ia_arena_t *a);
+ia_status_t _ia_grow_mapped(ia_arena_t *a, size_t size);
+uint64_t _ia_release_mapped(ia_arena_t *a);
+void _ia_unmap_all(ia_arena_t *a);
+/* arena_caches.c (the cache's lock held where a cache is named) */
+void _ia_fold(ia_arena_t *a, _ia_tcache_t *c);
+void _ia_fold_all(ia_arena_t *a);
+void _ia_drain(ia_arena_t *a);
+void _ia_trim(ia_arena_t *a, _ia_tcache_t *c);
+_ia_block_t *_ia_find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine);
+/* arena_check.c */
+void _ia_arena_debug_check(ia_arena_t *a);
+#if IA_DEBUG
+#define IA_DEBUG_CHECK(a) _ia_arena_debug_check(a)
+#else
+#define IA_DEBUG_CHECK(a) ((void)0)
+#endif
+
+/* ---- The plugin's state: between plugin.c (configuration and devices), plugin_entry.c (PyTorch's
+ * entry points and routing) and plugin_oom.c (out-of-memory messages and the report) ---- */
+typedef struct {
+  _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
+  _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
+  ia_arena_t *arenas[IA_POOL_COUNT];
+  ia_totals_t totals;
+  bool unified;
+  bool expandable;      /* the general arenas map pages of one address range each, this big: */
+  size_t address_range;
+  uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
+  _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
+  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
+} _ia_device_slot_t;
+
+typedef struct {
+  pthread_mutex_t lock; /* guards configuration and device creation */
+  bool configured;
+  ia_plugin_config_t config; /* its strings are plugin.c's own copies */
+  ia_trace_t *trace;
+  _ia_device_slot_t devices[IA_MAX_DEVICES];
+  _Atomic uint64_t ooms, retries;
+} _ia_plugin_t;
+extern _ia_plugin_t _ia_plugin;
+/* Why the last device creation, reservation or routing of this thread failed (ia_plugin_failure). */
+extern __thread char _ia_failure[1024];
+
+/* plugin.c. The device's slot, its arenas made on first use (NULL, and *st, when that fails). */
+_ia_device_slot_t *_ia_device_slot(int device, ia_status_t *st);
+ia_status_t _ia_ensure_workspace(_ia_device_slot_t *slot, int device);
+bool _ia_device_ready(int device);
+/* plugin_oom.c: each formats the message and raises it through the configuration's raise_oom. */
+void _ia_raise_oom(const char *message);
+void _ia_fail_alloc(int device, int pool, size_t size, ia_status_t st);
+void _ia_fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size, ia_status_t st);
+void _ia_describe_pool_refusal(_ia_device_slot_t *slot, int device, size_t size, void *stream);
 
 #endif
