@@ -237,44 +237,46 @@ void ia_arena_destroy(ia_arena_t *a) {
   free(a);
 }
 
+/* inactive_split's change: the free blocks that an operation takes away (sign -1) and makes (1). */
+static void split_change(const ia_arena_t *a, const block_t *b, int64_t sign, int64_t *n, int64_t *bytes) {
+  if (!b || !_ia_split_free(a, b)) return;
+  *n += sign;
+  *bytes += sign * (int64_t)b->size;
+}
+
 /* A free block, out of its bin, becomes live with its first rsize bytes; the rest stays free when a
  * header for it can be had (without one the block is simply handed out whole). */
 static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_stream_t stream) {
-  if (b->size - rsize >= a->opts.alignment) {
-    block_t *tail = _ia_block_new(a);
-    if (tail) {
-      tail->addr = b->addr + rsize;
-      tail->size = b->size - rsize;
-      tail->region = b->region;
-      tail->stream = b->stream;
-      tail->free_seq = b->free_seq;
-      tail->is_free = true;
-      tail->phys_prev = b;
-      tail->phys_next = b->phys_next;
-      if (b->phys_next) b->phys_next->phys_prev = tail;
-      b->phys_next = tail;
-      b->size = rsize;
-      _ia_bin_insert(a, tail);
-    }
+  int64_t n = 0, bytes = 0;
+  split_change(a, b, -1, &n, &bytes);
+  block_t *tail = b->size - rsize >= a->opts.alignment ? _ia_block_new(a) : NULL;
+  if (tail) {
+    tail->addr = b->addr + rsize;
+    tail->size = b->size - rsize;
+    tail->region = b->region;
+    tail->stream = b->stream;
+    tail->free_seq = b->free_seq;
+    tail->is_free = true;
+    tail->phys_prev = b;
+    tail->phys_next = b->phys_next;
+    if (b->phys_next) b->phys_next->phys_prev = tail;
+    b->phys_next = tail;
+    b->size = rsize;
+    _ia_bin_insert(a, tail);
   }
+  split_change(a, tail, 1, &n, &bytes);
+  _ia_count_split(a, n, bytes);
   b->is_free = false;
   b->stream = stream;
   b->requested = size;
-  ia_stats_t *s = &a->stats;
-  s->in_use += b->size;
-  _ia_totals_add(a, (int64_t)b->size, 0);
-  if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
-  s->requested += size;
-  s->blocks_in_use++;
-  s->requests_served++;
-  s->allocated_total += b->size;
+  _ia_count_live(a, 1, (int64_t)b->size, (int64_t)size);
   _ia_arena_trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
 }
 
 /* The thread-cache fast path's share of what the arena would have done under its lock. */
 static void after_cached_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr, size_t size,
-                            uint64_t bytes, ia_stream_t stream) {
-  _ia_totals_add(a, action == IA_TRACE_ALLOC ? (int64_t)bytes : -(int64_t)bytes, 0);
+                            uint64_t bytes, uint64_t requested, ia_stream_t stream) {
+  _ia_totals_live(a->totals, action == IA_TRACE_ALLOC ? 1 : -1, (int64_t)bytes, (int64_t)requested);
   _ia_arena_trace(a, action, addr, size, stream);
 #if IA_DEBUG
   pthread_mutex_lock(&a->lock);
@@ -288,9 +290,9 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
   if (size == 0) return IA_OK;
   _ia_tcache_t *c = NULL;
   if (caching(a, size) && (c = my_cache(a, true))) {
-    block_t *b = _ia_tcache_take(c, _ia_align_up(size, a->opts.alignment), size, stream);
+    block_t *b = _ia_tcache_take(c, _ia_align_up(size, a->opts.alignment), size, stream, !a->page);
     if (b) { /* handed out to this caller alone: addr and size are stable to read */
-      after_cached_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, stream);
+      after_cached_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
       *out = (void *)b->addr;
       return IA_OK;
     }
@@ -349,12 +351,17 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   if (st == IA_OK && !_ia_table_insert(&a->table, rest ? rest : b)) st = IA_ERR_NO_HOST_MEMORY;
   if (st == IA_OK) _ia_bin_remove(a, b);
   if (st == IA_OK && rest) { /* the part before `at` stays a free block of its own */
+    int64_t n = 0, bytes = 0;
+    split_change(a, b, -1, &n, &bytes);
     *rest = (block_t){.addr = addr, .size = b->addr + b->size - addr, .region = b->region, .stream = b->stream,
                       .free_seq = b->free_seq, .is_free = true, .phys_prev = b, .phys_next = b->phys_next};
     if (b->phys_next) b->phys_next->phys_prev = rest;
     b->phys_next = rest;
     b->size = addr - b->addr;
     _ia_bin_insert(a, b);
+    split_change(a, b, 1, &n, &bytes);
+    split_change(a, rest, 1, &n, &bytes);
+    _ia_count_split(a, n, bytes);
     b = rest;
   } else if (rest) {
     _ia_block_delete(a, rest);
@@ -375,12 +382,16 @@ void _ia_merge_into(ia_arena_t *a, block_t *left, block_t *right) {
 /* A block out of the table, its counters settled, becomes free on `stream` and merges with its free
  * neighbours. Ordering failures cannot be handed back to the caller without leaking the block; the
  * streams involved are broken anyway, so they stop the process instead. */
-void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream) {
+void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_free) {
+  block_t *prev = b->phys_prev, *next = b->phys_next;
+  int64_t n = 0, bytes = 0;
+  if (counted_free) split_change(a, b, -1, &n, &bytes);
+  if (prev && prev->is_free) split_change(a, prev, -1, &n, &bytes);
+  if (next && next->is_free) split_change(a, next, -1, &n, &bytes);
   b->is_free = true;
   b->requested = 0;
   b->stream = stream;
   b->free_seq = ++a->free_seq;
-  block_t *prev = b->phys_prev, *next = b->phys_next;
   if (prev && prev->is_free) {
     ia_assert(_ia_order_after(a, stream, prev->stream, prev->free_seq) == IA_OK);
     _ia_bin_remove(a, prev);
@@ -395,17 +406,19 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream) {
     _ia_merge_into(a, b, next);
   }
   _ia_bin_insert(a, b);
+  split_change(a, b, 1, &n, &bytes);
+  _ia_count_split(a, n, bytes);
 }
 
 ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   if (!ptr) return IA_OK;
   _ia_tcache_t *c = a->opts.thread_cache ? my_cache(a, false) : NULL;
   if (c) {
-    size_t size;
+    size_t size, requested;
     ia_stream_t freed_on;
-    _ia_tcache_put_t kept = _ia_tcache_put(c, (uintptr_t)ptr, stream, &size, &freed_on);
+    _ia_tcache_put_t kept = _ia_tcache_put(c, (uintptr_t)ptr, stream, !a->page, &size, &requested, &freed_on);
     if (kept == IA_TC_KEPT || kept == IA_TC_KEPT_FULL) {
-      after_cached_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, freed_on);
+      after_cached_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
       if (kept == IA_TC_KEPT_FULL) {
         pthread_mutex_lock(&a->lock);
         _ia_tcache_lock(c);
@@ -445,15 +458,9 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
     ia_assert(_ia_order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
   b->n_uses = 0;
   _ia_table_remove(&a->table, b);
-  ia_stats_t *s = &a->stats;
-  s->in_use -= b->size;
-  _ia_totals_add(a, -(int64_t)b->size, 0);
-  s->requested -= b->requested;
-  s->blocks_in_use--;
-  s->frees++;
-  s->freed_total += b->size;
+  _ia_count_live(a, -1, (int64_t)b->size, (int64_t)b->requested);
   _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
-  _ia_make_free(a, b, stream);
+  _ia_make_free(a, b, stream, false);
   IA_DEBUG_CHECK(a);
   pthread_mutex_unlock(&a->lock);
   return IA_OK;

@@ -22,24 +22,21 @@ bool _ia_arena_attach_cache(ia_arena_t *a, _ia_tcache_t *c) {
   return room;
 }
 
-/* Adds what the cache's fast path counted into the arena's statistics (both locks held). The peak
- * is raised by the most the cache's thread held since the last fold: exact with one thread; with
- * several, it can miss or overstate by what the other threads' caches moved since their folds,
- * which is bounded by their thread_cache bytes. The device totals are exact: the fast path keeps
- * them itself. */
+/* Adds what the cache's fast path counted into the arena's statistics (both locks held). A peak
+ * is raised by the most the cache's thread moved it since the last fold: exact with one thread;
+ * with several, it can miss or overstate by what the other threads' caches moved since their
+ * folds, which is bounded by their thread_cache bytes. The device totals are exact: the fast path
+ * keeps them itself. */
 void _ia_fold(ia_arena_t *a, _ia_tcache_t *c) {
   _ia_tcache_counts_t k = _ia_tcache_fold(c);
   ia_stats_t *s = &a->stats;
-  uint64_t high = s->in_use + (uint64_t)k.in_use_high;
-  if (high > s->in_use_peak) s->in_use_peak = high;
-  s->in_use += (uint64_t)k.in_use;
-  s->requested += (uint64_t)k.requested;
-  s->blocks_in_use += (uint64_t)k.blocks;
-  s->requests_served += k.served;
-  s->frees += k.frees;
-  s->allocated_total += k.allocated_total;
-  s->freed_total += k.freed_total;
-  if (s->in_use > s->in_use_peak) s->in_use_peak = s->in_use;
+  _ia_stat_fold(&s->in_use, &k.in_use);
+  _ia_stat_fold(&s->active_bytes, &k.in_use);
+  _ia_stat_fold(&s->requested, &k.requested);
+  _ia_stat_fold(&s->blocks, &k.blocks);
+  _ia_stat_fold(&s->active, &k.blocks);
+  _ia_stat_fold(&s->inactive_split, &k.inactive_split);
+  _ia_stat_fold(&s->inactive_split_bytes, &k.inactive_split_bytes);
 }
 
 
@@ -47,7 +44,7 @@ void _ia_fold(ia_arena_t *a, _ia_tcache_t *c) {
 /* A block a cache gave back: it was counted as free already (fold), so it only rejoins the classes. */
 static void give_back(ia_arena_t *a, block_t *b) {
   _ia_table_remove(&a->table, b);
-  _ia_make_free(a, b, b->stream);
+  _ia_make_free(a, b, b->stream, true);
 }
 
 /* All of a cache's free blocks come back to the arena (both locks held). */

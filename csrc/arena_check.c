@@ -23,9 +23,15 @@ static bool is_my_cache(const ia_arena_t *a, const _ia_tcache_t *c) {
 
 /* What the walk counted, to hold against the arena's counters. */
 typedef struct {
-  uint64_t in_use, free_bytes, capacity, requested, cached_bytes;
-  size_t live, free_count, n_regions, lent, cached;
+  uint64_t in_use, free_bytes, capacity, requested, cached_bytes, split_bytes;
+  size_t live, free_count, n_regions, lent, cached, split;
 } walk_t;
+
+static void count_split(const ia_arena_t *a, const block_t *b, walk_t *w) {
+  if (!_ia_split_free(a, b)) return;
+  w->split++;
+  w->split_bytes += b->size;
+}
 
 /* A free block: not beside another free one, lent to no cache, filed in its class. */
 static bool check_free_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, size_t msg_len) {
@@ -40,6 +46,7 @@ static bool check_free_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, si
   CHECK(found, "free block %#lx missing from its class", (unsigned long)b->addr);
   w->free_bytes += b->size;
   w->free_count++;
+  count_split(a, b, w);
   return true;
 broken:
   return false;
@@ -60,6 +67,7 @@ static bool check_held_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, si
   if (b->cache && b->cached) {
     w->cached_bytes += b->size;
     w->cached++;
+    count_split(a, b, w);
   } else {
     w->in_use += b->size;
     w->requested += b->requested;
@@ -133,6 +141,20 @@ broken:
   return false;
 }
 
+/* Every quantity: current = allocated - freed, within 0 and its peak. */
+static bool check_quads(const ia_stats_t *s, char *msg, size_t msg_len) {
+#define QUAD(name, torch, doc)                                                                      \
+  CHECK(s->name.current == s->name.allocated - s->name.freed && s->name.current >= 0 &&              \
+            s->name.current <= s->name.peak,                                                          \
+        "%s is off: current %ld, peak %ld, allocated %ld, freed %ld", #name, (long)s->name.current,  \
+        (long)s->name.peak, (long)s->name.allocated, (long)s->name.freed);
+  IA_STAT_QUADS(QUAD)
+#undef QUAD
+  return true;
+broken:
+  return false;
+}
+
 /* Under the arena's lock and every cache's. */
 static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
   walk_t w = {0};
@@ -140,10 +162,19 @@ static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
   for (region_t *r = a->regions; r; r = r->next)
     if (!check_region(a, r, &mapped_to, &w, msg, msg_len)) return false;
   if (!check_classes_and_caches(a, &w, msg, msg_len)) return false;
-  CHECK(w.n_regions == a->stats.regions && w.capacity == a->stats.capacity, "region counters are off");
-  CHECK(w.in_use == a->stats.in_use && w.live == a->stats.blocks_in_use && w.requested == a->stats.requested,
-        "in-use counters are off: walked %lu bytes in %zu blocks, counted %lu in %lu",
-        (unsigned long)w.in_use, w.live, (unsigned long)a->stats.in_use, (unsigned long)a->stats.blocks_in_use);
+  const ia_stats_t *s = &a->stats;
+  if (!check_quads(s, msg, msg_len)) return false;
+  CHECK((int64_t)w.n_regions == s->regions.current && (int64_t)w.capacity == s->capacity.current,
+        "region counters are off");
+  CHECK((int64_t)w.in_use == s->in_use.current && (int64_t)w.live == s->blocks.current &&
+            (int64_t)w.requested == s->requested.current,
+        "in-use counters are off: walked %lu bytes in %zu blocks, counted %ld in %ld", (unsigned long)w.in_use,
+        w.live, (long)s->in_use.current, (long)s->blocks.current);
+  CHECK(s->active.current == s->blocks.current && s->active_bytes.current == s->in_use.current,
+        "active counters are off");
+  CHECK((int64_t)w.split == s->inactive_split.current && (int64_t)w.split_bytes == s->inactive_split_bytes.current,
+        "inactive_split is off: walked %zu blocks of %lu bytes, counted %ld of %ld", w.split,
+        (unsigned long)w.split_bytes, (long)s->inactive_split.current, (long)s->inactive_split_bytes.current);
   CHECK(w.free_bytes == a->stats.free_bytes && w.free_count == a->stats.free_blocks, "free counters are off");
   if (msg_len) msg[0] = '\0';
   return true;

@@ -82,7 +82,7 @@ static ia_status_t join(ia_arena_t *a, region_t *left) {
   left->size += right->size;
   left->next = right->next;
   free(right);
-  a->stats.regions--;
+  _ia_count_regions(a, -1);
   if (merge) {
     _ia_bin_remove(a, lb);
     _ia_bin_remove(a, rb);
@@ -114,9 +114,7 @@ static ia_status_t map_for(ia_arena_t *a, size_t size) {
     if (!p.after) free(r);
     return st;
   }
-  a->stats.capacity += bytes;
-  if (a->stats.capacity > a->stats.capacity_peak) a->stats.capacity_peak = a->stats.capacity;
-  _ia_totals_add(a, 0, (int64_t)bytes);
+  _ia_count_capacity(a, (int64_t)bytes);
   _ia_arena_trace(a, IA_TRACE_RESERVE, p.at, bytes, IA_STREAM_NONE);
   *fresh = (block_t){.addr = p.at, .size = bytes, .region = r, .stream = IA_STREAM_NONE, .is_free = true};
   block_t *last = p.after ? last_block(r) : NULL;
@@ -135,7 +133,7 @@ static ia_status_t map_for(ia_arena_t *a, size_t size) {
     while (*link && (*link)->base < p.at) link = &(*link)->next;
     r->next = *link;
     *link = r;
-    a->stats.regions++;
+    _ia_count_regions(a, 1);
     _ia_bin_insert(a, fresh);
   }
   r->size += bytes;
@@ -208,7 +206,7 @@ static bool cut(ia_arena_t *a, region_t *r, block_t *b, uintptr_t lo, uintptr_t 
     for (block_t *x = first_after; x; x = x->phys_next) x->region = split;
     r->next = split;
     r->size = lo - r->base;
-    a->stats.regions++;
+    _ia_count_regions(a, 1);
     *rest = split;
   } else if (before) {
     r->size = lo - r->base;
@@ -222,14 +220,13 @@ static bool cut(ia_arena_t *a, region_t *r, block_t *b, uintptr_t lo, uintptr_t 
     while (*link != r) link = &(*link)->next;
     *link = r->next;
     free(r);
-    a->stats.regions--;
+    _ia_count_regions(a, -1);
   }
   if (head) _ia_bin_insert(a, b);
   if (tail_block) _ia_bin_insert(a, tail_block);
   a->backend->unmap(a->backend, (void *)lo, hi - lo);
   a->stats.backend_releases++;
-  a->stats.capacity -= hi - lo;
-  _ia_totals_add(a, 0, -(int64_t)(hi - lo));
+  _ia_count_capacity(a, -(int64_t)(hi - lo));
   _ia_arena_trace(a, IA_TRACE_RELEASE, lo, hi - lo, IA_STREAM_NONE);
   return true;
 }
@@ -272,9 +269,8 @@ void _ia_unmap_all(ia_arena_t *a) {
     _ia_arena_trace(a, IA_TRACE_RELEASE, r->base, r->size, IA_STREAM_NONE);
     a->backend->unmap(a->backend, (void *)r->base, r->size);
     a->stats.backend_releases++;
-    a->stats.capacity -= r->size;
-    _ia_totals_add(a, 0, -(int64_t)r->size);
-    a->stats.regions--;
+    _ia_count_capacity(a, -(int64_t)r->size);
+    _ia_count_regions(a, -1);
     free(r);
   }
   if (!a->range_size) return;

@@ -65,12 +65,10 @@ ia_status_t _ia_region_add(ia_arena_t *a, size_t size) {
   b->stream = IA_STREAM_NONE;
   b->is_free = true;
   _ia_bin_insert(a, b);
-  a->stats.capacity += size;
-  _ia_totals_add(a, 0, (int64_t)size);
-  a->stats.regions++;
+  _ia_count_capacity(a, (int64_t)size);
+  _ia_count_regions(a, 1);
   if (a->on_region) a->on_region(a->on_region_ctx, a, r->base, size, true);
   _ia_arena_trace(a, IA_TRACE_RESERVE, r->base, size, IA_STREAM_NONE);
-  if (a->stats.capacity > a->stats.capacity_peak) a->stats.capacity_peak = a->stats.capacity;
   return IA_OK;
 }
 
@@ -82,9 +80,8 @@ void _ia_region_drop(ia_arena_t *a, region_t *r) {
   _ia_arena_trace(a, IA_TRACE_RELEASE, r->base, r->size, IA_STREAM_NONE);
   a->backend->release(a->backend, r->raw, r->raw_size);
   a->stats.backend_releases++;
-  a->stats.capacity -= r->size;
-  _ia_totals_add(a, 0, -(int64_t)r->size);
-  a->stats.regions--;
+  _ia_count_capacity(a, -(int64_t)r->size);
+  _ia_count_regions(a, -1);
   free(r);
 }
 
@@ -113,9 +110,9 @@ static size_t region_size_for(const ia_arena_options_t *o, size_t size) {
 }
 
 bool _ia_over_limit(const ia_arena_t *a, size_t want) {
-  if (a->opts.limit && a->stats.capacity + want > a->opts.limit) return true;
+  if (a->opts.limit && (uint64_t)a->stats.capacity.current + want > a->opts.limit) return true;
   uint64_t group = a->totals ? atomic_load(&a->totals->limit) : 0;
-  return group && atomic_load(&a->totals->capacity) + want > group;
+  return group && (uint64_t)atomic_load(&a->totals->capacity.current) + want > group;
 }
 
 ia_status_t _ia_grow(ia_arena_t *a, size_t size) {

@@ -7,8 +7,23 @@ typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;
 
 void _ia_totals_reset_peaks(ia_totals_t *t) {
-  atomic_store(&t->in_use_peak, atomic_load(&t->in_use));
-  atomic_store(&t->capacity_peak, atomic_load(&t->capacity));
+  _ia_total_t *all[] = {&t->in_use, &t->requested, &t->blocks, &t->capacity, &t->regions};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) atomic_store(&all[i]->peak, atomic_load(&all[i]->current));
+}
+
+void _ia_count_capacity(ia_arena_t *a, int64_t bytes) {
+  _ia_stat_add(&a->stats.capacity, bytes);
+  if (a->totals) _ia_total_add(&a->totals->capacity, bytes);
+}
+
+void _ia_count_regions(ia_arena_t *a, int64_t n) {
+  _ia_stat_add(&a->stats.regions, n);
+  if (a->totals) _ia_total_add(&a->totals->regions, n);
+}
+
+void _ia_count_split(ia_arena_t *a, int64_t blocks, int64_t bytes) {
+  _ia_stat_add(&a->stats.inactive_split, blocks);
+  _ia_stat_add(&a->stats.inactive_split_bytes, bytes);
 }
 
 void _ia_arena_watch_captures(ia_arena_t *a, const _Atomic int *captures) {
@@ -21,7 +36,12 @@ void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
   pthread_mutex_lock(&a->lock);
   a->totals = t;
   a->captures = &t->captures;
-  _ia_totals_add(a, (int64_t)a->stats.in_use, (int64_t)a->stats.capacity);
+  const ia_stats_t *s = &a->stats;
+  _ia_total_add(&t->in_use, s->in_use.current);
+  _ia_total_add(&t->requested, s->requested.current);
+  _ia_total_add(&t->blocks, s->blocks.current);
+  _ia_total_add(&t->capacity, s->capacity.current);
+  _ia_total_add(&t->regions, s->regions.current);
   pthread_mutex_unlock(&a->lock);
 }
 
@@ -92,8 +112,9 @@ void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
 void ia_arena_reset_peaks(ia_arena_t *a) {
   pthread_mutex_lock(&a->lock);
   _ia_fold_all(a);
-  a->stats.in_use_peak = a->stats.in_use;
-  a->stats.capacity_peak = a->stats.capacity;
+#define RESET(name, torch, doc) a->stats.name.peak = a->stats.name.current;
+  IA_STAT_QUADS(RESET)
+#undef RESET
   pthread_mutex_unlock(&a->lock);
 }
 

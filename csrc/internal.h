@@ -99,10 +99,44 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
-/* Byte counts summed over several arenas (one device's pools), kept exact with atomics so that a
- * device-wide peak is a true peak and not a sum of per-arena peaks. */
+/* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. */
+static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
+  s->current += n;
+  if (n > 0) {
+    s->allocated += n;
+    if (s->current > s->peak) s->peak = s->current;
+  } else {
+    s->freed -= n;
+  }
+}
+
+/* Adds `d`, changes counted from zero elsewhere (a thread cache's): its peak is the highest its
+ * current reached, so the sum's peak is raised by that much over the current it started from. */
+static inline void _ia_stat_fold(ia_stat_t *s, const ia_stat_t *d) {
+  if (s->current + d->peak > s->peak) s->peak = s->current + d->peak;
+  s->current += d->current;
+  s->allocated += d->allocated;
+  s->freed += d->freed;
+  if (s->current > s->peak) s->peak = s->current;
+}
+
+/* A quantity summed over several arenas (one device's pools), kept exact with atomics so that a
+ * device-wide peak is a true peak and not a sum of per-arena peaks (the sums of increases and
+ * decreases add up exactly from the arenas' own). */
+typedef struct {
+  _Atomic int64_t current, peak;
+} _ia_total_t;
+
+static inline void _ia_total_add(_ia_total_t *t, int64_t n) {
+  int64_t now = atomic_fetch_add_explicit(&t->current, n, memory_order_relaxed) + n;
+  int64_t seen = atomic_load_explicit(&t->peak, memory_order_relaxed);
+  while (n > 0 && now > seen && !atomic_compare_exchange_weak_explicit(&t->peak, &seen, now, memory_order_relaxed,
+                                                                       memory_order_relaxed)) {
+  }
+}
+
 typedef struct ia_totals {
-  _Atomic uint64_t in_use, in_use_peak, capacity, capacity_peak;
+  _ia_total_t in_use, requested, blocks, capacity, regions;
   /* Growth of any arena of the group stops where capacity would pass this (0: no limit). Checked
    * under each arena's own lock, so two arenas growing at once can pass it by one region. */
   _Atomic uint64_t limit;
@@ -244,9 +278,9 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
 
 /* The fast path's counters, which the arena adds into its own under both locks (fold). */
 typedef struct {
-  int64_t in_use, requested, blocks; /* changes since the last fold */
-  int64_t in_use_high;               /* the most in_use reached since the last fold */
-  uint64_t served, frees, allocated_total, freed_total;
+  /* Changes since the last fold, counted from zero (a peak is the most the change reached); active
+   * blocks and bytes move with blocks and in_use. */
+  ia_stat_t in_use, requested, blocks, inactive_split, inactive_split_bytes;
 } _ia_tcache_counts_t;
 
 /* The calling thread's cache for the arena; with `create`, made on first use (NULL when the thread
@@ -260,16 +294,17 @@ void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
 
 /* The fast path; each takes and drops the cache's lock itself. take: a free block of the cache for
  * rsize bytes on `stream` (same stream, same size class), now handed out; NULL when it has none.
- * put: keeps a block handed out from the cache, freed on `stream`, as free in it. */
-_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream);
+ * put: keeps a block handed out from the cache, freed on `stream`, as free in it. split_counted: the
+ * arena counts inactive_split (it maps no pages), so a block of a split region moves it. */
+_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted);
 typedef enum {
   IA_TC_KEPT,        /* kept as free in the cache */
   IA_TC_KEPT_FULL,   /* kept, and the cache now holds more than it should: the arena trims it */
   IA_TC_DOUBLE_FREE, /* the block is free in the cache already */
   IA_TC_PASS         /* not the cache's to keep (not lent to it, or other streams recorded on it) */
 } _ia_tcache_put_t;
-_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, size_t *size,
-                                ia_stream_t *freed_on);
+_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, bool split_counted,
+                                size_t *size, size_t *requested, ia_stream_t *freed_on);
 
 /* The arena's side, under the arena's lock. */
 void _ia_tcache_lock(_ia_tcache_t *c);
@@ -376,21 +411,34 @@ static inline void _ia_arena_trace(ia_arena_t *a, ia_trace_action_t action, uint
   _ia_trace_record(t, action, (int32_t)(tag >> 8), (uint8_t)tag, address, size, stream);
 }
 
-static inline void _ia_raise_peak(_Atomic uint64_t *peak, uint64_t value) {
-  uint64_t seen = atomic_load_explicit(peak, memory_order_relaxed);
-  while (value > seen && !atomic_compare_exchange_weak_explicit(peak, &seen, value, memory_order_relaxed,
-                                                                memory_order_relaxed)) {
-  }
-}
-
-/* Called without the arena's lock too (the thread-cache fast path): the totals are atomics. */
-static inline void _ia_totals_add(ia_arena_t *a, int64_t in_use, int64_t capacity) {
-  ia_totals_t *t = a->totals;
+/* Where the arena's quantities change: a block becoming live (sign 1) or no longer live (-1),
+ * capacity and regions gained or given back, and free blocks of split regions (arena_stats.c).
+ * The device totals follow without the arena's lock (the thread-cache fast path calls
+ * _ia_totals_live alone: its arena counts come through the fold). */
+static inline void _ia_totals_live(ia_totals_t *t, int64_t sign, int64_t bytes, int64_t requested) {
   if (!t) return;
-  if (in_use) _ia_raise_peak(&t->in_use_peak, atomic_fetch_add(&t->in_use, (uint64_t)in_use) + (uint64_t)in_use);
-  if (capacity)
-    _ia_raise_peak(&t->capacity_peak, atomic_fetch_add(&t->capacity, (uint64_t)capacity) + (uint64_t)capacity);
+  _ia_total_add(&t->in_use, sign * bytes);
+  _ia_total_add(&t->requested, sign * requested);
+  _ia_total_add(&t->blocks, sign);
 }
+static inline void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
+  ia_stats_t *s = &a->stats;
+  _ia_stat_add(&s->in_use, sign * bytes);
+  _ia_stat_add(&s->active_bytes, sign * bytes);
+  _ia_stat_add(&s->requested, sign * requested);
+  _ia_stat_add(&s->blocks, sign);
+  _ia_stat_add(&s->active, sign);
+  _ia_totals_live(a->totals, sign, bytes, requested);
+}
+void _ia_count_capacity(ia_arena_t *a, int64_t bytes);
+void _ia_count_regions(ia_arena_t *a, int64_t n);
+/* What free block b adds to inactive_split: 1 and its bytes when its region is split (it is not the
+ * whole region), else nothing; nothing in a mapping arena. Regions that are reservations never change
+ * size, so a thread cache may ask without the arena's lock. */
+static inline bool _ia_split_free(const ia_arena_t *a, const _ia_block_t *b) {
+  return !a->page && b->size < b->region->size;
+}
+void _ia_count_split(ia_arena_t *a, int64_t blocks, int64_t bytes);
 
 /* While a stream of the device captures a CUDA graph, nothing goes back to the backend: a free
  * synchronizes the device, which a capture forbids. */
@@ -401,7 +449,8 @@ void _ia_bin_insert(ia_arena_t *a, _ia_block_t *b);
 void _ia_bin_remove(ia_arena_t *a, _ia_block_t *b);
 _ia_block_t *_ia_find_free(ia_arena_t *a, size_t size);
 void _ia_merge_into(ia_arena_t *a, _ia_block_t *left, _ia_block_t *right);
-void _ia_make_free(ia_arena_t *a, _ia_block_t *b, ia_stream_t stream);
+/* counted_free: b was counted as free already (a thread cache kept it). */
+void _ia_make_free(ia_arena_t *a, _ia_block_t *b, ia_stream_t stream, bool counted_free);
 /* arena_regions.c */
 _ia_region_t *_ia_region_of(const ia_arena_t *a, uintptr_t p);
 ia_status_t _ia_region_add(ia_arena_t *a, size_t size);

@@ -277,23 +277,23 @@ ia_arena_t *ia_plugin_arena(int device, int pool) {
 bool ia_plugin_device_unified(int device) { return _ia_device_ready(device) && _ia_plugin.devices[device].unified; }
 bool ia_plugin_device_expandable(int device) { return _ia_device_ready(device) && _ia_plugin.devices[device].expandable; }
 
-ia_device_totals_t ia_plugin_device_totals(int device) {
-  ia_device_totals_t out = {0};
-  if (!_ia_device_ready(device)) return out;
-  ia_totals_t *t = &_ia_plugin.devices[device].totals;
-  out.in_use = atomic_load(&t->in_use);
-  out.in_use_peak = atomic_load(&t->in_use_peak);
-  out.capacity = atomic_load(&t->capacity);
-  out.capacity_peak = atomic_load(&t->capacity_peak);
-  return out;
-}
-
 void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s) {
   uint64_t largest = sum->largest_free > s->largest_free ? sum->largest_free : s->largest_free;
+#define ADD_QUAD(name, torch, doc)                                                                  \
+  sum->name = (ia_stat_t){sum->name.current + s->name.current, sum->name.peak + s->name.peak,        \
+                          sum->name.allocated + s->name.allocated, sum->name.freed + s->name.freed};
 #define ADD(type, name, doc) sum->name = _Generic(sum->name, double: sum->name, default: sum->name + s->name);
-  IA_STAT_FIELDS(ADD)
+  IA_STAT_QUADS(ADD_QUAD)
+  IA_STAT_COUNTERS(ADD)
 #undef ADD
+#undef ADD_QUAD
   sum->largest_free = largest;
+}
+
+/* The device's exact current and peak of a quantity its totals keep; the sums came from the arenas. */
+static void exact(ia_stat_t *s, _ia_total_t *t) {
+  s->current = atomic_load(&t->current);
+  s->peak = atomic_load(&t->peak);
 }
 
 void ia_plugin_device_stats(int device, ia_stats_t *out) {
@@ -307,10 +307,41 @@ void ia_plugin_device_stats(int device, ia_stats_t *out) {
     _ia_stats_add(out, &s);
   }
   _ia_graph_add_stats(device, out);
-  ia_device_totals_t t = ia_plugin_device_totals(device);
-  out->in_use_peak = t.in_use_peak;
-  out->capacity_peak = t.capacity_peak;
+  ia_totals_t *t = &_ia_plugin.devices[device].totals;
+  exact(&out->in_use, &t->in_use);
+  exact(&out->requested, &t->requested);
+  exact(&out->blocks, &t->blocks);
+  exact(&out->capacity, &t->capacity);
+  exact(&out->regions, &t->regions);
+  out->active = out->blocks; /* no arena holds a freed block back (arena.h) */
+  out->active_bytes = out->in_use;
   out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
+}
+
+ia_device_totals_t ia_plugin_device_totals(int device) {
+  ia_stats_t s;
+  ia_plugin_device_stats(device, &s);
+  return (ia_device_totals_t){s.in_use, s.requested, s.blocks, s.capacity, s.regions};
+}
+
+/* The one place the arena's quantities become PyTorch's families (IA_STAT_QUADS names each pair). */
+void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
+  ia_stats_t all, small, large;
+  memset(&small, 0, sizeof small);
+  memset(&large, 0, sizeof large);
+  ia_plugin_device_stats(device, &all);
+  if (ia_plugin_arena(device, IA_POOL_SMALL)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_SMALL), &small);
+  if (ia_plugin_arena(device, IA_POOL_LARGE)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_LARGE), &large);
+#define FILL(name, torch, doc)                                                                      \
+  out->torch[IA_KIND_ALL] = all.name;                                                               \
+  out->torch[IA_KIND_SMALL] = small.name;                                                           \
+  out->torch[IA_KIND_LARGE] = large.name;
+  IA_STAT_QUADS(FILL)
+#undef FILL
+  out->num_alloc_retries = (int64_t)(all.retries + ia_plugin_retries());
+  out->num_ooms = (int64_t)ia_plugin_ooms();
+  out->num_device_alloc = (int64_t)all.backend_reserves;
+  out->num_device_free = (int64_t)all.backend_releases;
 }
 
 void ia_plugin_reset_peaks(int device) {

@@ -119,6 +119,7 @@ static const ia_torch_entry_points_t entry_points = {
     .graph_blocks = ia_graph_blocks,
     .graph_restore = ia_graph_restore,
     .device_stats = ia_plugin_device_stats,
+    .torch_stats = ia_plugin_torch_stats,
     .reset_peaks = ia_plugin_reset_peaks,
     .ooms = ia_plugin_ooms,
     .retries = ia_plugin_retries,

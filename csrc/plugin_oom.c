@@ -25,8 +25,8 @@ static size_t describe_arena(ia_arena_t *a, char *buf, size_t len) {
   if (ia_arena_page_size(a))
     snprintf(pages, sizeof pages, " mapped in %s pages", _ia_format_bytes(ia_arena_page_size(a), page, sizeof page));
   return (size_t)snprintf(buf, len, "holds %s%s, %s in use, largest free block %s",
-                          _ia_format_bytes(s.capacity, cap, sizeof cap), pages,
-                          _ia_format_bytes(s.in_use, used, sizeof used),
+                          _ia_format_bytes((uint64_t)s.capacity.current, cap, sizeof cap), pages,
+                          _ia_format_bytes((uint64_t)s.in_use.current, used, sizeof used),
                           _ia_format_bytes(s.largest_free, largest, sizeof largest));
 }
 
@@ -151,11 +151,18 @@ static void write_pool(FILE *f, const char *sep_before, const char *name, ia_are
   ia_arena_stats(a, &s);
   fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", sep_before, name);
   const char *sep = "";
+#define IA_QUAD_JSON(name, torch, doc)                                                              \
+  fprintf(f, "%s\"%s\": %" PRId64 ", \"%s_peak\": %" PRId64 ", \"%s_allocated\": %" PRId64                  \
+          ", \"%s_freed\": %" PRId64, sep, #name, s.name.current, #name, s.name.peak, #name, s.name.allocated,   \
+          #name, s.name.freed);                                                                       \
+  sep = ", ";
 #define IA_STAT_JSON(type, name, doc)                                                               \
   fprintf(f, _Generic(s.name, double: "%s\"%s\": %.6f", default: "%s\"%s\": %" PRIu64), sep, #name, s.name); \
   sep = ", ";
-  IA_STAT_FIELDS(IA_STAT_JSON)
+  IA_STAT_QUADS(IA_QUAD_JSON)
+  IA_STAT_COUNTERS(IA_STAT_JSON)
 #undef IA_STAT_JSON
+#undef IA_QUAD_JSON
   fprintf(f, "}, \"blocks\": [");
   size_t count = ia_arena_blocks(a, NULL, 0);
   ia_block_info_t *blocks = calloc(count + 1, sizeof *blocks);
@@ -190,7 +197,7 @@ static void write_graph_pool(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *a
 bool ia_plugin_write_report(const char *path) {
   FILE *f = fopen(path, "w");
   if (!f) return false;
-  fprintf(f, "{\"format\": \"indexer-arena-report-1\", \"budget\": %zu, \"devices\": [", _ia_plugin.config.budget);
+  fprintf(f, "{\"format\": \"indexer-arena-report-2\", \"budget\": %zu, \"devices\": [", _ia_plugin.config.budget);
   bool first_device = true;
   for (int d = 0; d < IA_MAX_DEVICES; d++) {
     _ia_device_slot_t *slot = &_ia_plugin.devices[d];

@@ -520,7 +520,7 @@ def test_after_a_release_the_pages_mapped_are_those_live_blocks_touch_whatever_t
             a.release_cached()
             s, _ = consistent(a)
             assert s["capacity"] == len(pages_touched(a)) * a.page_size
-            assert s["blocks_in_use"] == len(kept)
+            assert s["blocks"] == len(kept)
             for p, stream in kept:
                 a.free(p, stream=stream)
             a.release_cached()
@@ -532,7 +532,9 @@ def test_after_a_release_the_pages_mapped_are_those_live_blocks_touch_whatever_t
 
 # -- the plugin's general pools, mapped --------------------------------------------------------------
 PLUGIN = """
+import types
 from alloc._core import ffi, lib
+from alloc.arena import stats_dict
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 64 << 20, 256, 0, 1, {expandable}
 c.address_range = {address_range}
@@ -545,7 +547,7 @@ def free(ptr):
 def stats(pool):
     s = ffi.new("ia_stats_t *")
     lib.ia_arena_stats(lib.ia_plugin_arena(0, pool), s)
-    return s
+    return types.SimpleNamespace(**stats_dict(s))
 def check():
     msg = ffi.new("char[]", 512)
     for pool in (lib.IA_POOL_SMALL, lib.IA_POOL_LARGE):
@@ -568,7 +570,7 @@ assert lib.ia_plugin_device_expandable(0)
 large, little = stats(lib.IA_POOL_LARGE), stats(lib.IA_POOL_SMALL)
 assert lib.ia_arena_page_size(lib.ia_plugin_arena(0, lib.IA_POOL_LARGE)) == 2 * MiB
 assert large.capacity == 6 * MiB and large.regions == 1 and little.capacity == 4 * MiB, (large.capacity, little.capacity)
-assert lib.ia_plugin_device_totals(0).capacity == 10 * MiB
+assert lib.ia_plugin_device_totals(0).capacity.current == 10 * MiB
 r = ffi.new("ia_region_info_t *")
 assert lib.ia_arena_address_range(lib.ia_plugin_arena(0, lib.IA_POOL_LARGE), r) and r.size == 8 << 30
 for p in small[1:]:
@@ -582,7 +584,7 @@ y = alloc(5 * MiB)                       # the same address: the range never mov
 assert y == x
 free(y)
 lib.ia_torch_empty_cache()
-assert lib.ia_plugin_device_totals(0).capacity == 0
+assert lib.ia_plugin_device_totals(0).capacity.current == 0
 check()
 print("ok")
 """)
@@ -708,7 +710,7 @@ def test_a_trace_of_a_mapping_arena_rebuilds_what_is_mapped():
 
 def test_gpu_empty_cache_figure_182_mib_is_the_loop_variable_keeping_the_70_mib_tensor_live():
     plugin("""
-total = lambda: lib.ia_plugin_device_totals(0).capacity
+total = lambda: lib.ia_plugin_device_totals(0).capacity.current
 keep = alloc(12 * MiB)
 ts = [alloc(n * MiB) for n in (30, 50, 70)]
 small = [alloc(4000) for _ in range(100)]
@@ -730,7 +732,7 @@ print("ok")
 
 def test_gpu_unmapped_figure_62_mib_is_a_small_page_mapped_by_the_reduction_after_the_release():
     plugin("""
-total = lambda: lib.ia_plugin_device_totals(0).capacity
+total = lambda: lib.ia_plugin_device_totals(0).capacity.current
 x = alloc(64 * MiB)
 y = alloc(64 * MiB, s=5)                 # y = x * 2 on the side stream
 lib.ia_torch_record_stream(ffi.cast("void *", x), ffi.cast("void *", 5))
@@ -748,7 +750,7 @@ print("ok")
 
 def test_gpu_graph_figure_44_mib_is_the_graph_pool_region_of_the_captured_output():
     plugin("""
-total = lambda: lib.ia_plugin_device_totals(0).capacity
+total = lambda: lib.ia_plugin_device_totals(0).capacity.current
 x = alloc(64 * MiB, s=3)
 static = alloc(4 * MiB, s=3)
 state = alloc(1000, s=3)                 # small tensors live through the capture (a small page)

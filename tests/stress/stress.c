@@ -203,7 +203,7 @@ int main(int argc, char **argv) {
   }
   double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
   printf("ok %lu ops %.1f ms %lu oom %lu served %lu waits\n", (unsigned long)total_ops, ms,
-         (unsigned long)oom_count, (unsigned long)s.requests_served, (unsigned long)s.stream_waits);
+         (unsigned long)oom_count, (unsigned long)s.blocks.allocated, (unsigned long)s.stream_waits);
   ia_arena_destroy(arena);
   return 0;
 }
