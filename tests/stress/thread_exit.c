@@ -224,9 +224,9 @@ static bool inspect(const char *when, int round) {
   }
   ia_stats_t s;
   ia_arena_stats(a, &s);
-  if (s.free_bytes + s.in_use != s.capacity) {
+  if (s.free_bytes + s.in_use.current != s.capacity.current) {
     fprintf(stderr, "%s of round %d: %lu free and %lu used bytes of %lu\n", when, round,
-            (unsigned long)s.free_bytes, (unsigned long)s.in_use, (unsigned long)s.capacity);
+            (unsigned long)s.free_bytes, (unsigned long)s.in_use.current, (unsigned long)s.capacity.current);
     return false;
   }
   /* One listing is one moment: its blocks tile the arena, cached ones listed as free. */
