@@ -129,9 +129,10 @@ typedef struct {
 
 static inline void _ia_total_add(_ia_total_t *t, int64_t n) {
   int64_t now = atomic_fetch_add_explicit(&t->current, n, memory_order_relaxed) + n;
+  if (n <= 0) return;
   int64_t seen = atomic_load_explicit(&t->peak, memory_order_relaxed);
-  while (n > 0 && now > seen && !atomic_compare_exchange_weak_explicit(&t->peak, &seen, now, memory_order_relaxed,
-                                                                       memory_order_relaxed)) {
+  while (now > seen && !atomic_compare_exchange_weak_explicit(&t->peak, &seen, now, memory_order_relaxed,
+                                                              memory_order_relaxed)) {
   }
 }
 
