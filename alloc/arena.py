@@ -29,7 +29,20 @@ def _power_of_two(name: str, value, low: int) -> int:
         raise ValueError(f"{name} must be a power of two from {low} to {MAX_SIZE}, got {value!r}")
     return value
 
-STAT_NAMES = tuple(name for name, _ in ffi.typeof("ia_stats_t").fields)
+_QUANTITY = ffi.typeof("ia_stat_t")
+_FIELDS = ffi.typeof("ia_stats_t").fields
+#: The quantities (csrc/arena.h, IA_STAT_QUADS): each an ia_stat_t of current, peak, allocated, freed.
+QUANTITIES = tuple(name for name, field in _FIELDS if field.type is _QUANTITY)
+
+
+def _flat(name: str) -> tuple[str, str, str, str]:
+    """A quantity's keys, flat as the C core's JSON report writes them: current, peak, sums."""
+    return name, f"{name}_peak", f"{name}_allocated", f"{name}_freed"
+
+
+#: Every key of stats_dict, in ia_stats_t order.
+STAT_NAMES = tuple(key for name, field in _FIELDS
+                   for key in (_flat(name) if field.type is _QUANTITY else (name,)))
 
 
 def status_text(status: int) -> str:
@@ -37,8 +50,16 @@ def status_text(status: int) -> str:
 
 
 def stats_dict(stats) -> dict:
-    """An ia_stats_t as a dict keyed by the C field names."""
-    return {name: getattr(stats, name) for name in STAT_NAMES}
+    """An ia_stats_t as a flat dict: a counter under its C name, a quantity `q` as `q` (current),
+    `q_peak`, `q_allocated` and `q_freed`."""
+    out = {}
+    for name, field in _FIELDS:
+        value = getattr(stats, name)
+        if field.type is _QUANTITY:
+            out.update(zip(_flat(name), (value.current, value.peak, value.allocated, value.freed)))
+        else:
+            out[name] = value
+    return out
 
 
 def physical_memory() -> int:
@@ -424,7 +445,7 @@ class Arena:
     def describe(self) -> str:
         s = self.stats()
         return (f"capacity {fmt_bytes(s['capacity'])}, in use {fmt_bytes(s['in_use'])} in "
-                f"{s['blocks_in_use']} blocks, free {fmt_bytes(s['free_bytes'])}, largest free block "
+                f"{s['blocks']} blocks, free {fmt_bytes(s['free_bytes'])}, largest free block "
                 f"{fmt_bytes(s['largest_free'])}")
 
     def _backend_detail(self, status: int) -> str:

@@ -362,11 +362,32 @@ def _pytorch_counts() -> bool:
     return _installed is not None and _installed.scope == "workspace"
 
 
+#: PyTorch's kinds, as torch.cuda.memory_stats() names them, in ia_torch_stats_t's order (IA_KIND_*).
+TORCH_KINDS = ("all", "small_pool", "large_pool")
+_TORCH_FIELDS = ("current", "peak", "allocated", "freed")
+
+
 def memory_stats(device: int | None = None) -> dict:
-    """PyTorch's ``memory_stats()`` keys wherever one applies, plus ``arena.<pool>.<stat>`` for
-    every statistic of every arena (pools: workspace, small, large) and ``arena.expandable`` (1
-    when the general pools map pages, 0 when they reserve regions). In workspace scope PyTorch's
-    keys are PyTorch's own (``torch.cuda.memory_stats()``, which counts the workspace pool)."""
+    """PyTorch's ``memory_stats()`` keys, with PyTorch's meaning, as the C core fills them for
+    ``torch.cuda.memory_stats()`` too (ia_plugin_torch_stats; csrc/arena.h, IA_STAT_QUADS, pairs
+    each of PyTorch's families with the arena's quantity and says what it counts):
+
+    - ``allocated_bytes``, ``requested_bytes``, ``allocation``: bytes (rounded; as asked) and blocks
+      handed out and not yet freed;
+    - ``active``, ``active_bytes``: those plus blocks freed but not yet reusable, which the arena
+      never has (a free is reusable at once: another stream's reuse waits on an event on the GPU);
+    - ``reserved_bytes``, ``segment``: memory held from the driver and its regions (mapped pools:
+      the mapped stretches of the address range);
+    - ``inactive_split``, ``inactive_split_bytes``: free blocks of regions that are split (none in
+      mapped pools, as PyTorch counts none in expandable segments);
+    - each as ``<family>.<all|small_pool|large_pool>.<current|peak|allocated|freed>``: ``all`` is
+      every arena of the device, graph pools included, ``small_pool``/``large_pool`` the general
+      pools; ``num_alloc_retries``, ``num_ooms``, ``num_device_alloc``, ``num_device_free``.
+
+    Beside them, ``arena.<pool>.<stat>`` for every statistic of every arena (pools: workspace,
+    small, large; ``alloc.Arena.stats()`` keys), ``arena.expandable`` (1 when the general pools map
+    pages) and ``arena.graphs.*``. In workspace scope PyTorch's keys are PyTorch's own
+    (``torch.cuda.memory_stats()``, which counts the workspace pool)."""
     device = _device_index(device)
     pools = _pool_stats(device)
     if _pytorch_counts():
@@ -374,45 +395,17 @@ def memory_stats(device: int | None = None) -> dict:
         out = dict(torch.cuda.memory_stats(device))
         out.update({f"arena.workspace.{k}": v for k, v in pools["workspace"].items()})
         return out
-    totals = lib.ia_plugin_device_totals(device)
-    everything = ffi.new("ia_stats_t *")
-    lib.ia_plugin_device_stats(device, everything)  # every arena, graph pools included
-    everything = stats_dict(everything)
-
+    s = ffi.new("ia_torch_stats_t *")
+    lib.ia_plugin_torch_stats(device, s)
     out: dict[str, float] = {}
-    for metric, names in (("all", None), ("small_pool", ("small",)), ("large_pool", ("large",))):
-        chosen = [everything] if names is None else [pools[p] for p in names]
-
-        def summed(key: str) -> int:
-            return sum(p[key] for p in chosen)
-
-        if metric == "all":  # device-wide peaks are kept exact in C, not summed per pool
-            in_use, in_use_peak = totals.in_use, totals.in_use_peak
-            capacity, capacity_peak = totals.capacity, totals.capacity_peak
-        else:
-            in_use, in_use_peak = summed("in_use"), summed("in_use_peak")
-            capacity, capacity_peak = summed("capacity"), summed("capacity_peak")
-        for name in ("allocated_bytes", "active_bytes"):
-            out[f"{name}.{metric}.current"] = in_use
-            out[f"{name}.{metric}.peak"] = in_use_peak
-            out[f"{name}.{metric}.allocated"] = summed("allocated_total")
-            out[f"{name}.{metric}.freed"] = summed("freed_total")
-        out[f"reserved_bytes.{metric}.current"] = capacity
-        out[f"reserved_bytes.{metric}.peak"] = capacity_peak
-        out[f"requested_bytes.{metric}.current"] = summed("requested")
-        for name in ("allocation", "active"):
-            out[f"{name}.{metric}.current"] = summed("blocks_in_use")
-            out[f"{name}.{metric}.allocated"] = summed("requests_served")
-            out[f"{name}.{metric}.freed"] = summed("frees")
-        out[f"segment.{metric}.current"] = summed("regions")
-        out[f"segment.{metric}.allocated"] = summed("backend_reserves")
-        out[f"segment.{metric}.freed"] = summed("backend_releases")
-        out[f"inactive_split.{metric}.current"] = summed("free_blocks")
-        out[f"inactive_split_bytes.{metric}.current"] = summed("free_bytes")
-    out["num_alloc_retries"] = everything["retries"] + int(lib.ia_plugin_retries())
-    out["num_ooms"] = int(lib.ia_plugin_ooms())
-    out["num_device_alloc"] = everything["backend_reserves"]
-    out["num_device_free"] = everything["backend_releases"]
+    for family, member in ffi.typeof("ia_torch_stats_t").fields:
+        value = getattr(s, family)
+        if member.type.kind != "array":  # num_alloc_retries, num_ooms, num_device_alloc/free
+            out[family] = int(value)
+            continue
+        for kind, stat in zip(TORCH_KINDS, value):
+            for name in _TORCH_FIELDS:
+                out[f"{family}.{kind}.{name}"] = int(getattr(stat, name))
     out["arena.expandable"] = int(device_is_expandable(device))
     for pool, stats in pools.items():
         for key, value in stats.items():
@@ -450,27 +443,27 @@ def reset_peak_memory_stats(device: int | None = None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def _device_total(total: str, torch_name: str, device) -> int:
+def _device_total(total: str, field: str, torch_name: str, device) -> int:
     if _pytorch_counts():
         import torch
         return getattr(torch.cuda, torch_name)(_device_index(device))
-    return int(getattr(lib.ia_plugin_device_totals(_device_index(device)), total))
+    return int(getattr(getattr(lib.ia_plugin_device_totals(_device_index(device)), total), field))
 
 
 def memory_allocated(device: int | None = None) -> int:
-    return _device_total("in_use", "memory_allocated", device)
+    return _device_total("in_use", "current", "memory_allocated", device)
 
 
 def max_memory_allocated(device: int | None = None) -> int:
-    return _device_total("in_use_peak", "max_memory_allocated", device)
+    return _device_total("in_use", "peak", "max_memory_allocated", device)
 
 
 def memory_reserved(device: int | None = None) -> int:
-    return _device_total("capacity", "memory_reserved", device)
+    return _device_total("capacity", "current", "memory_reserved", device)
 
 
 def max_memory_reserved(device: int | None = None) -> int:
-    return _device_total("capacity_peak", "max_memory_reserved", device)
+    return _device_total("capacity", "peak", "max_memory_reserved", device)
 
 
 def device_is_unified(device: int | None = None) -> bool:

@@ -5,7 +5,7 @@ GiB = 1 << 30
 U64_MAX = (1 << 64) - 1
 """The largest size, address or stream a C uint64_t, size_t or pointer holds here."""
 MAX_SIZE = 1 << 62
-"""The largest capacity, region or request the C core takes (MAX_REQUEST in csrc/arena.c)."""
+"""The largest capacity, region or request the C core takes (IA_MAX_REQUEST in csrc/internal.h)."""
 
 
 def is_count(value) -> bool:

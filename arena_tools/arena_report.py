@@ -12,7 +12,12 @@ from alloc.errors import ArenaError
 if TYPE_CHECKING:
     from alloc.arena import Arena
 
-REPORT_FORMAT = "indexer-arena-report-1"
+REPORT_FORMAT = "indexer-arena-report-2"
+# Format 1 wrote the counters of blocks and of bytes handed out under these names; format 2 writes
+# every quantity as `name`, `name_peak`, `name_allocated`, `name_freed` (csrc/arena.h).
+FORMAT_1 = "indexer-arena-report-1"
+FORMAT_1_NAMES = {"blocks_in_use": "blocks", "requests_served": "blocks_allocated", "frees": "blocks_freed",
+                  "allocated_total": "in_use_allocated", "freed_total": "in_use_freed"}
 
 
 def arena_blocks(arena: Arena) -> list[list[int]]:

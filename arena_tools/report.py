@@ -2,7 +2,7 @@
 
 One structure serves everything, the one the C core writes on out-of-memory (``oom_report`` key):
 
-    {"format": "indexer-arena-report-1", "budget": N,
+    {"format": "indexer-arena-report-2", "budget": N,
      "devices": [{"device": d, "unified": bool,
                   "pools": [{"pool": "workspace" | "small" | "large",
                              "stats": {<every ia_stats_t field>},
@@ -36,7 +36,7 @@ from alloc.errors import ArenaError
 from alloc.records import Event
 from alloc.units import fmt_bytes, is_count, output_width
 
-from .arena_report import REPORT_FORMAT, live_report, pool_order
+from .arena_report import FORMAT_1, FORMAT_1_NAMES, REPORT_FORMAT, live_report, pool_order
 
 
 class ReportError(ValueError):
@@ -59,7 +59,7 @@ def block_stats(blocks: Sequence[Sequence[int]]) -> dict:
     used = [b for b in blocks if b[4]]
     stats.update(capacity=sum(b[2] for b in blocks), regions=len({b[0] for b in blocks}),
                  in_use=sum(b[2] for b in used), requested=sum(b[3] for b in used),
-                 blocks_in_use=len(used), free_bytes=sum(free), largest_free=max(free, default=0),
+                 blocks=len(used), free_bytes=sum(free), largest_free=max(free, default=0),
                  free_blocks=len(free))
     stats["fragmentation"] = 1.0 - stats["largest_free"] / stats["free_bytes"] if stats["free_bytes"] else 0.0
     stats["capacity_peak"], stats["in_use_peak"] = stats["capacity"], stats["in_use"]
@@ -103,9 +103,10 @@ def check_report(report: object, path: str = "<report>") -> dict:
 
     if not isinstance(report, dict):
         raise bad("not a JSON object")
-    if report.get("format") != REPORT_FORMAT:
+    if report.get("format") not in (REPORT_FORMAT, FORMAT_1):
         raise bad(f"not an indexer-arena memory report (format {report.get('format')!r}, expected "
-                  f"{REPORT_FORMAT!r})")
+                  f"{REPORT_FORMAT!r} or the older {FORMAT_1!r})")
+    renames = FORMAT_1_NAMES if report["format"] == FORMAT_1 else {}
     if not is_count(report.setdefault("budget", 0)):
         raise bad(f"'budget': expected a byte count (an integer from 0 to 2**64 - 1), found {report['budget']!r}")
     if not isinstance(report.get("devices"), list):
@@ -129,6 +130,7 @@ def check_report(report: object, path: str = "<report>") -> dict:
                 continue
             if not isinstance(stats, dict):
                 raise bad(f"{where}.stats: expected an object of the arena's statistics, found {stats!r}")
+            stats = pool["stats"] = {renames.get(name, name): value for name, value in stats.items()}
             for name, value in stats.items():
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 \
                     if name == "fragmentation" else is_count(value)
@@ -185,7 +187,7 @@ def summarize(report: dict, *, top: int = 10, events: Sequence[Event] | None = N
                 "device": dev["device"], "pool": pool["pool"], "unified": bool(dev.get("unified")),
                 "capacity": s["capacity"], "regions": s["regions"], "in_use": s["in_use"],
                 "requested": s["requested"], "free": s["free_bytes"], "largest_free": s["largest_free"],
-                "fragmentation": s["fragmentation"], "blocks_in_use": s["blocks_in_use"],
+                "fragmentation": s["fragmentation"], "blocks": s["blocks"],
                 "free_blocks": s["free_blocks"],
                 "in_use_peak": pool.get("stats", {}).get("in_use_peak", s["in_use"]),
                 "capacity_peak": pool.get("stats", {}).get("capacity_peak", s["capacity"]),
@@ -272,7 +274,7 @@ def render_text(report: dict, summary: list[dict], *, title: str = "memory repor
         table.add_row(str(s["device"]) + (" (unified)" if s["unified"] else ""), s["pool"],
                       str(s["regions"]), fmt_bytes(s["capacity"]), fmt_bytes(s["in_use"]),
                       fmt_bytes(s["free"]), fmt_bytes(s["largest_free"]), _pct(s["fragmentation"]),
-                      str(s["blocks_in_use"]), str(s["free_blocks"]), fmt_bytes(s["in_use_peak"]))
+                      str(s["blocks"]), str(s["free_blocks"]), fmt_bytes(s["in_use_peak"]))
     console.print(table)
     for s in summary:
         name = f"device {s['device']} {s['pool']}"

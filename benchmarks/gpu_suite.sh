@@ -49,7 +49,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     setup) setup ;;
     tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
                    tests/alloc/plugin/test_gpu.py tests/alloc/plugin/test_expandable.py tests/alloc/plugin/test_scoped.py \
-                   tests/alloc/plugin/test_cpu.py tests/alloc/test_unified.py ;;
+                   tests/alloc/plugin/test_memory_stats.py tests/alloc/plugin/test_cpu.py tests/alloc/test_unified.py ;;
     tests-graphs) step gpu_tests_graphs $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} \
                     tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py ;;
     tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider \

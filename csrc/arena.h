@@ -151,22 +151,36 @@ void ia_guard_mapping_counters(const ia_backend_t *guard, ia_mapping_counters_t 
 const char *ia_guard_last_message(void);
 
 /* ------------------------------------------------------------------------------------------------
- * Statistics: one declaration per field. X(type, name, description)
+ * Statistics. A quantity that goes up and down is one ia_stat_t, as PyTorch's caching allocator and
+ * mimalloc keep theirs: its value now, the most it has been since peaks were last reset, and the
+ * sums of every increase and of every decrease (so current = allocated - freed).
  * ---------------------------------------------------------------------------------------------- */
-#define IA_STAT_FIELDS(X)                                                                          \
-  X(uint64_t, capacity, "bytes reserved from the backend and held now (mapped, over a mapping backend)") \
-  X(uint64_t, capacity_peak, "most bytes reserved at once")                                      \
-  X(uint64_t, regions, "reservations held now (mapped stretches of the address range)")         \
-  X(uint64_t, in_use, "bytes handed out in live blocks (rounded to the alignment)")              \
-  X(uint64_t, in_use_peak, "most bytes handed out at once")                                      \
-  X(uint64_t, requested, "bytes asked for by live blocks, before rounding")                      \
-  X(uint64_t, blocks_in_use, "live blocks")                                                      \
-  X(uint64_t, requests_served, "successful allocations")                                         \
+typedef struct ia_stat {
+  int64_t current, peak, allocated, freed;
+} ia_stat_t;
+
+/* The quantities: X(name, torch, description), `torch` being the family of keys PyTorch's
+ * torch.cuda.memory_stats() gives the same meaning ("<torch>.<all|small_pool|large_pool>.<field>").
+ * The arena never holds a freed block back (reuse by another stream waits on an event on the GPU,
+ * not on the host), so its active blocks are its live ones; they differ where the plugin holds a
+ * free back during a CUDA graph capture (csrc/graphs.c), where the block stays live here. */
+#define IA_STAT_QUADS(X)                                                                            \
+  X(in_use, allocated_bytes, "bytes in live blocks (each rounded up to the alignment)")            \
+  X(requested, requested_bytes, "bytes asked for by live blocks, before rounding")                  \
+  X(blocks, allocation, "live blocks")                                                              \
+  X(active, active, "active blocks: live, or freed but not yet reusable (here: the live ones)")    \
+  X(active_bytes, active_bytes, "bytes of active blocks")                                           \
+  X(capacity, reserved_bytes, "bytes reserved from the backend (mapped, over a mapping backend)")  \
+  X(regions, segment, "regions held: reservations, or the mapped stretches of the address range")  \
+  X(inactive_split, inactive_split, "free blocks of regions that are split (not one whole free "   \
+    "block); a block a thread cache keeps counts as free; never counted over a mapping backend, "  \
+    "as PyTorch counts none in expandable segments")                                                \
+  X(inactive_split_bytes, inactive_split_bytes, "bytes of those blocks")
+
+/* The counters that only count or describe: X(type, name, description). */
+#define IA_STAT_COUNTERS(X)                                                                        \
   X(uint64_t, requests_failed, "allocations refused")                                            \
-  X(uint64_t, frees, "successful frees")                                                         \
   X(uint64_t, bad_frees, "frees refused: double frees and foreign pointers")                     \
-  X(uint64_t, allocated_total, "bytes handed out, summed over all allocations")                  \
-  X(uint64_t, freed_total, "bytes returned, summed over all frees")                              \
   X(uint64_t, free_bytes, "bytes in free blocks")                                                \
   X(uint64_t, largest_free, "size of the largest free block")                                    \
   X(uint64_t, free_blocks, "number of free blocks")                                              \
@@ -178,12 +192,31 @@ const char *ia_guard_last_message(void);
   X(uint64_t, event_records, "stream events recorded to order cross-stream reuse")               \
   X(uint64_t, stream_waits, "streams made to wait on another stream's free")
 
+#define IA_STAT_DECLARE_QUAD(name, torch, doc) ia_stat_t name;
 #define IA_STAT_DECLARE(type, name, doc) type name;
+/* Written flat (the JSON report, alloc.Arena.stats()): a quantity as `name` (its current value),
+ * `name_peak`, `name_allocated` and `name_freed`. */
 typedef struct ia_stats {
-  IA_STAT_FIELDS(IA_STAT_DECLARE)
+  IA_STAT_QUADS(IA_STAT_DECLARE_QUAD)
+  IA_STAT_COUNTERS(IA_STAT_DECLARE)
 } ia_stats_t;
 #undef IA_STAT_DECLARE
 
+/* A device's statistics in PyTorch's shape, what torch.cuda.memory_stats() reports in process
+ * scope: one ia_stat_t per family and kind (IA_KIND_ALL: every arena of the device, graph pools
+ * included; SMALL and LARGE: the general small and large pools), the field named for PyTorch's
+ * family (IA_STAT_QUADS says which arena quantity it is). */
+enum { IA_KIND_ALL = 0, IA_KIND_SMALL = 1, IA_KIND_LARGE = 2, IA_KIND_COUNT = 3 };
+#define IA_TORCH_DECLARE(name, torch, doc) ia_stat_t torch[IA_KIND_COUNT];
+typedef struct ia_torch_stats {
+  IA_STAT_QUADS(IA_TORCH_DECLARE)
+  int64_t num_alloc_retries; /* growths that released cached memory and asked again */
+  int64_t num_ooms;          /* out-of-memory errors raised */
+  int64_t num_device_alloc;  /* reservations and page mappings asked of the driver */
+  int64_t num_device_free;   /* reservations and page mappings given back */
+} ia_torch_stats_t;
+#undef IA_TORCH_DECLARE
+#undef IA_STAT_DECLARE_QUAD
 
 /* ------------------------------------------------------------------------------------------------
  * The arena.
@@ -362,14 +395,16 @@ ia_arena_t *ia_plugin_arena(int device, int pool); /* NULL until the device has 
 bool ia_plugin_device_unified(int device);
 /* Whether the device's general pools map pages of one address range (false before its first use). */
 bool ia_plugin_device_expandable(int device);
-/* Device-wide sums over its pools; the peaks are true peaks of the sums. */
+/* Device-wide quantities over its pools, graph pools included, workspace carve-outs counted
+ * once (in the workspace arena); every field, peaks included, is exact for the sum. */
 typedef struct ia_device_totals {
-  uint64_t in_use, in_use_peak, capacity, capacity_peak;
+  ia_stat_t in_use, requested, blocks, capacity, regions;
 } ia_device_totals_t;
 ia_device_totals_t ia_plugin_device_totals(int device);
-/* Counters summed over every arena of the device, graph pools included (not the peaks, which
- * ia_plugin_device_totals keeps; workspace carve-outs are counted once, in the workspace arena). */
+/* Every arena's statistics summed over the device (the quantities' peaks are those of
+ * ia_plugin_device_totals where it keeps them, else the sum of the arenas' peaks, an upper bound). */
 void ia_plugin_device_stats(int device, ia_stats_t *out);
+void ia_plugin_torch_stats(int device, ia_torch_stats_t *out);
 void ia_plugin_reset_peaks(int device);
 uint64_t ia_plugin_ooms(void);
 uint64_t ia_plugin_retries(void);
@@ -455,6 +490,7 @@ typedef struct ia_torch_entry_points {
   size_t (*graph_blocks)(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap);
   ia_status_t (*graph_restore)(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n);
   void (*device_stats)(int device, ia_stats_t *out); /* summed over the device's arenas */
+  void (*torch_stats)(int device, ia_torch_stats_t *out);
   void (*reset_peaks)(int device);
   uint64_t (*ooms)(void);
   uint64_t (*retries)(void);

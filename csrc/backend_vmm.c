@@ -1,5 +1,5 @@
 /* A mapping backend over the CUDA driver's virtual memory management, for the general pools
- * (arena.c, "mapped ranges"): an arena's one address range is reserved with cuMemAddressReserve,
+ * (arena_mapped.c): an arena's one address range is reserved with cuMemAddressReserve,
  * and each page is a physical allocation of its own (cuMemCreate of the driver's granularity,
  * 2 MiB on current GPUs), mapped with cuMemMap and made readable and writable by the device with
  * cuMemSetAccess (and by the peer devices granted access, as cudaDeviceEnablePeerAccess grants

@@ -96,7 +96,7 @@ static uint64_t pool_capacity(const graph_pool_t *p) {
   FOR_EACH_ARENA(p, k, a) {
     ia_stats_t s;
     ia_arena_stats(a, &s);
-    total += s.capacity;
+    total += (uint64_t)s.capacity.current;
   }
   return total;
 }
@@ -331,9 +331,9 @@ size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap) {
     FOR_EACH_ARENA(p, k, a) {
       ia_stats_t s;
       ia_arena_stats(a, &s);
-      info.capacity += s.capacity;
-      info.in_use += s.in_use;
-      if (k == GRAPH_WORKSPACE) info.workspace += s.capacity;
+      info.capacity += (uint64_t)s.capacity.current;
+      info.in_use += (uint64_t)s.in_use.current;
+      if (k == GRAPH_WORKSPACE) info.workspace += (uint64_t)s.capacity.current;
     }
     out[n] = info;
   }

@@ -2,6 +2,7 @@
 #ifndef INDEXER_ARENA_INTERNAL_H
 #define INDEXER_ARENA_INTERNAL_H
 
+#include <pthread.h>
 #include <stdatomic.h>
 
 #include "arena.h"
@@ -98,10 +99,45 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
-/* Byte counts summed over several arenas (one device's pools), kept exact with atomics so that a
- * device-wide peak is a true peak and not a sum of per-arena peaks. */
+/* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. */
+static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
+  s->current += n;
+  if (n > 0) {
+    s->allocated += n;
+    if (s->current > s->peak) s->peak = s->current;
+  } else {
+    s->freed -= n;
+  }
+}
+
+/* Adds `d`, changes counted from zero elsewhere (a thread cache's): its peak is the highest its
+ * current reached, so the sum's peak is raised by that much over the current it started from. */
+static inline void _ia_stat_fold(ia_stat_t *s, const ia_stat_t *d) {
+  if (s->current + d->peak > s->peak) s->peak = s->current + d->peak;
+  s->current += d->current;
+  s->allocated += d->allocated;
+  s->freed += d->freed;
+  if (s->current > s->peak) s->peak = s->current;
+}
+
+/* A quantity summed over several arenas (one device's pools), kept exact with atomics so that a
+ * device-wide peak is a true peak and not a sum of per-arena peaks (the sums of increases and
+ * decreases add up exactly from the arenas' own). */
+typedef struct {
+  _Atomic int64_t current, peak;
+} _ia_total_t;
+
+static inline void _ia_total_add(_ia_total_t *t, int64_t n) {
+  int64_t now = atomic_fetch_add_explicit(&t->current, n, memory_order_relaxed) + n;
+  if (n <= 0) return;
+  int64_t seen = atomic_load_explicit(&t->peak, memory_order_relaxed);
+  while (now > seen && !atomic_compare_exchange_weak_explicit(&t->peak, &seen, now, memory_order_relaxed,
+                                                              memory_order_relaxed)) {
+  }
+}
+
 typedef struct ia_totals {
-  _Atomic uint64_t in_use, in_use_peak, capacity, capacity_peak;
+  _ia_total_t in_use, requested, blocks, capacity, regions;
   /* Growth of any arena of the group stops where capacity would pass this (0: no limit). Checked
    * under each arena's own lock, so two arenas growing at once can pass it by one region. */
   _Atomic uint64_t limit;
@@ -238,14 +274,14 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
  * takes one back the same way. The arena sees a lent block as not free, so it neither hands it out
  * nor merges it until the cache gives it back: when the cache holds more free bytes than its limit
  * (largest blocks first), when a request fits nowhere else, when the thread exits, and whenever the
- * arena needs its merged free state (arena.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
+ * arena needs its merged free state (arena_caches.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
  * lock, then its caches' locks; a cache's owner takes its cache's lock alone on the fast path. */
 
 /* The fast path's counters, which the arena adds into its own under both locks (fold). */
 typedef struct {
-  int64_t in_use, requested, blocks; /* changes since the last fold */
-  int64_t in_use_high;               /* the most in_use reached since the last fold */
-  uint64_t served, frees, allocated_total, freed_total;
+  /* Changes since the last fold, counted from zero (a peak is the most the change reached); active
+   * blocks and bytes move with blocks and in_use. */
+  ia_stat_t in_use, requested, blocks, inactive_split, inactive_split_bytes;
 } _ia_tcache_counts_t;
 
 /* The calling thread's cache for the arena; with `create`, made on first use (NULL when the thread
@@ -259,16 +295,17 @@ void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
 
 /* The fast path; each takes and drops the cache's lock itself. take: a free block of the cache for
  * rsize bytes on `stream` (same stream, same size class), now handed out; NULL when it has none.
- * put: keeps a block handed out from the cache, freed on `stream`, as free in it. */
-_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream);
+ * put: keeps a block handed out from the cache, freed on `stream`, as free in it. split_counted: the
+ * arena counts inactive_split (it maps no pages), so a block of a split region moves it. */
+_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted);
 typedef enum {
   IA_TC_KEPT,        /* kept as free in the cache */
   IA_TC_KEPT_FULL,   /* kept, and the cache now holds more than it should: the arena trims it */
   IA_TC_DOUBLE_FREE, /* the block is free in the cache already */
   IA_TC_PASS         /* not the cache's to keep (not lent to it, or other streams recorded on it) */
 } _ia_tcache_put_t;
-_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, size_t *size,
-                                ia_stream_t *freed_on);
+_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, bool split_counted,
+                                size_t *size, size_t *requested, ia_stream_t *freed_on);
 
 /* The arena's side, under the arena's lock. */
 void _ia_tcache_lock(_ia_tcache_t *c);
@@ -296,5 +333,192 @@ void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t devic
 
 /* "1.50 MiB"-style rendering for messages; writes into buf and returns it. */
 const char *_ia_format_bytes(uint64_t bytes, char *buf, size_t len);
+
+/* ---- The arena's state and the calls between its files (arena*.c) -------------------------------
+ * arena.c: size classes, allocation and free; arena_regions.c: reservations; arena_blocks.c: block
+ * headers and the address table; arena_streams.c: stream-ordered reuse; arena_mapped.c: mapped stretches; arena_caches.c:
+ * the arena's side of thread caches; arena_stats.c: statistics and listings; arena_check.c: the
+ * invariant walk. Everything below runs under the arena's lock unless it says otherwise. */
+
+#define IA_SLAB_BLOCKS 256
+/* No reservation comes near this; above it the class arithmetic could overflow. */
+#define IA_MAX_REQUEST ((size_t)1 << 62)
+
+struct _ia_region {
+  void *raw;
+  size_t raw_size;
+  uintptr_t base;
+  size_t size;
+  _ia_block_t *first;
+  _ia_region_t *next;
+};
+
+typedef struct _ia_slab {
+  struct _ia_slab *next;
+  _ia_block_t blocks[IA_SLAB_BLOCKS];
+} _ia_slab_t;
+
+typedef struct {
+  ia_stream_t stream;
+  void *event;
+  uint64_t recorded_seq; /* frees up to this sequence number are behind the recorded event */
+} _ia_stream_state_t;
+
+struct ia_arena {
+  pthread_mutex_t lock;
+  ia_arena_options_t opts;
+  ia_backend_t *backend;
+
+  _ia_region_t *regions; /* oldest first: a region's index in reports stays put as others come */
+  uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
+
+  uint64_t fl_bitmap;
+  uint32_t sl_bitmap[IA_FL_COUNT];
+  _ia_block_t *bins[IA_FL_COUNT][IA_SL_COUNT];
+
+  _ia_table_t table; /* every block not free here: live, or lent to a thread cache */
+
+  _ia_slab_t *slabs;
+  _ia_block_t *spare_blocks;
+
+  _ia_stream_state_t *streams;
+  size_t n_streams, cap_streams;
+  uint64_t free_seq;
+
+  _ia_tcache_t **caches; /* the threads' caches of this arena */
+  size_t n_caches, cap_caches;
+
+  ia_totals_t *totals;
+  const _Atomic int *captures; /* the device's capture count, when it has one */
+  _ia_region_hook_t on_region;
+  void *on_region_ctx;
+  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
+  ia_trace_t *_Atomic trace;
+  _Atomic uint64_t trace_tag;
+
+  /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */
+  size_t page;
+  uintptr_t range_base;
+  size_t range_size;
+
+  ia_stats_t stats;
+};
+
+static inline void _ia_arena_trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
+                                   ia_stream_t stream) {
+  ia_trace_t *t = atomic_load_explicit(&a->trace, memory_order_acquire);
+  if (!t) return;
+  uint64_t tag = atomic_load_explicit(&a->trace_tag, memory_order_relaxed);
+  _ia_trace_record(t, action, (int32_t)(tag >> 8), (uint8_t)tag, address, size, stream);
+}
+
+/* Where the arena's quantities change: a block becoming live (sign 1) or no longer live (-1),
+ * capacity and regions gained or given back, and free blocks of split regions (arena_stats.c).
+ * The device totals follow without the arena's lock (the thread-cache fast path calls
+ * _ia_totals_live alone: its arena counts come through the fold). */
+static inline void _ia_totals_live(ia_totals_t *t, int64_t sign, int64_t bytes, int64_t requested) {
+  if (!t) return;
+  _ia_total_add(&t->in_use, sign * bytes);
+  _ia_total_add(&t->requested, sign * requested);
+  _ia_total_add(&t->blocks, sign);
+}
+static inline void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
+  ia_stats_t *s = &a->stats;
+  _ia_stat_add(&s->in_use, sign * bytes);
+  _ia_stat_add(&s->active_bytes, sign * bytes);
+  _ia_stat_add(&s->requested, sign * requested);
+  _ia_stat_add(&s->blocks, sign);
+  _ia_stat_add(&s->active, sign);
+  _ia_totals_live(a->totals, sign, bytes, requested);
+}
+void _ia_count_capacity(ia_arena_t *a, int64_t bytes);
+void _ia_count_regions(ia_arena_t *a, int64_t n);
+/* What free block b adds to inactive_split: 1 and its bytes when its region is split (it is not the
+ * whole region), else nothing; nothing in a mapping arena. Regions that are reservations never change
+ * size, so a thread cache may ask without the arena's lock. */
+static inline bool _ia_split_free(const ia_arena_t *a, const _ia_block_t *b) {
+  return !a->page && b->size < b->region->size;
+}
+void _ia_count_split(ia_arena_t *a, int64_t blocks, int64_t bytes);
+
+/* While a stream of the device captures a CUDA graph, nothing goes back to the backend: a free
+ * synchronizes the device, which a capture forbids. */
+static inline bool _ia_capturing(const ia_arena_t *a) { return a->captures && atomic_load(a->captures) > 0; }
+
+/* arena.c */
+void _ia_bin_insert(ia_arena_t *a, _ia_block_t *b);
+void _ia_bin_remove(ia_arena_t *a, _ia_block_t *b);
+_ia_block_t *_ia_find_free(ia_arena_t *a, size_t size);
+void _ia_merge_into(ia_arena_t *a, _ia_block_t *left, _ia_block_t *right);
+/* counted_free: b was counted as free already (a thread cache kept it). */
+void _ia_make_free(ia_arena_t *a, _ia_block_t *b, ia_stream_t stream, bool counted_free);
+/* arena_regions.c */
+_ia_region_t *_ia_region_of(const ia_arena_t *a, uintptr_t p);
+ia_status_t _ia_region_add(ia_arena_t *a, size_t size);
+void _ia_region_drop(ia_arena_t *a, _ia_region_t *r);
+bool _ia_over_limit(const ia_arena_t *a, size_t want);
+ia_status_t _ia_grow(ia_arena_t *a, size_t size);
+uint64_t _ia_release_free_regions(ia_arena_t *a);
+/* arena_blocks.c */
+_ia_block_t *_ia_block_new(ia_arena_t *a);
+void _ia_block_delete(ia_arena_t *a, _ia_block_t *b);
+/* arena_streams.c */
+_ia_stream_state_t *_ia_stream_state(ia_arena_t *a, ia_stream_t s, ia_status_t *st);
+ia_status_t _ia_order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed_on, uint64_t free_seq);
+/* arena_mapped.c */
+ia_status_t _ia_reserve_range(ia_arena_t *a);
+ia_status_t _ia_grow_mapped(ia_arena_t *a, size_t size);
+uint64_t _ia_release_mapped(ia_arena_t *a);
+void _ia_unmap_all(ia_arena_t *a);
+/* arena_caches.c (the cache's lock held where a cache is named) */
+void _ia_fold(ia_arena_t *a, _ia_tcache_t *c);
+void _ia_fold_all(ia_arena_t *a);
+void _ia_drain(ia_arena_t *a);
+void _ia_trim(ia_arena_t *a, _ia_tcache_t *c);
+_ia_block_t *_ia_find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine);
+/* arena_check.c */
+void _ia_arena_debug_check(ia_arena_t *a);
+#if IA_DEBUG
+#define IA_DEBUG_CHECK(a) _ia_arena_debug_check(a)
+#else
+#define IA_DEBUG_CHECK(a) ((void)0)
+#endif
+
+/* ---- The plugin's state: between plugin.c (configuration and devices), plugin_entry.c (PyTorch's
+ * entry points and routing) and plugin_oom.c (out-of-memory messages and the report) ---- */
+typedef struct {
+  _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
+  _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
+  ia_arena_t *arenas[IA_POOL_COUNT];
+  ia_totals_t totals;
+  bool unified;
+  bool expandable;      /* the general arenas map pages of one address range each, this big: */
+  size_t address_range;
+  uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
+  _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
+  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
+} _ia_device_slot_t;
+
+typedef struct {
+  pthread_mutex_t lock; /* guards configuration and device creation */
+  bool configured;
+  ia_plugin_config_t config; /* its strings are plugin.c's own copies */
+  ia_trace_t *trace;
+  _ia_device_slot_t devices[IA_MAX_DEVICES];
+  _Atomic uint64_t ooms, retries;
+} _ia_plugin_t;
+extern _ia_plugin_t _ia_plugin;
+/* Why the last device creation, reservation or routing of this thread failed (ia_plugin_failure). */
+extern __thread char _ia_failure[1024];
+
+/* plugin.c. The device's slot, its arenas made on first use (NULL, and *st, when that fails). */
+_ia_device_slot_t *_ia_device_slot(int device, ia_status_t *st);
+ia_status_t _ia_ensure_workspace(_ia_device_slot_t *slot, int device);
+bool _ia_device_ready(int device);
+/* plugin_oom.c: each formats the message and raises it through the configuration's raise_oom. */
+void _ia_raise_oom(const char *message);
+void _ia_fail_alloc(int device, int pool, size_t size, ia_status_t st);
+void _ia_fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size, ia_status_t st);
+void _ia_describe_pool_refusal(_ia_device_slot_t *slot, int device, size_t size, void *stream);
 
 #endif

@@ -127,7 +127,15 @@ static void list_remove(_ia_tcache_t *c, _ia_block_t *b) {
 
 /* ---- the fast path -------------------------------------------------------------------------- */
 
-_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream) {
+/* A block's share of inactive_split, in the arena's rule (internal.h: _ia_split_free); asked only of
+ * arenas of reservations, whose regions never change size, so the arena's lock is not needed. */
+static void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, int64_t sign) {
+  if (b->size == b->region->size) return;
+  _ia_stat_add(&k->inactive_split, sign);
+  _ia_stat_add(&k->inactive_split_bytes, sign * (int64_t)b->size);
+}
+
+_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted) {
   unsigned fl, sl;
   _ia_class_of(rsize, &fl, &sl);
   if (fl >= c->fl_count) return NULL;
@@ -140,19 +148,17 @@ _ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia
     b->cached = false;
     b->requested = requested;
     _ia_tcache_counts_t *k = &c->counts;
-    k->in_use += (int64_t)b->size;
-    if (k->in_use > k->in_use_high) k->in_use_high = k->in_use;
-    k->requested += (int64_t)requested;
-    k->blocks++;
-    k->served++;
-    k->allocated_total += b->size;
+    _ia_stat_add(&k->in_use, (int64_t)b->size);
+    _ia_stat_add(&k->requested, (int64_t)requested);
+    _ia_stat_add(&k->blocks, 1);
+    if (split_counted) count_split(k, b, -1);
   }
   _ia_tcache_unlock(c);
   return b;
 }
 
-_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, size_t *size,
-                                ia_stream_t *freed_on) {
+_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, bool split_counted,
+                                size_t *size, size_t *requested, ia_stream_t *freed_on) {
   _ia_tcache_lock(c);
   _ia_block_t *b = _ia_table_find(&c->lent, addr, NULL);
   _ia_tcache_put_t result = IA_TC_PASS;
@@ -161,11 +167,11 @@ _ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t str
   } else if (b && !b->n_uses) {
     if (stream != IA_STREAM_NONE) b->stream = stream; /* else: the stream it was allocated on */
     _ia_tcache_counts_t *k = &c->counts;
-    k->in_use -= (int64_t)b->size;
-    k->requested -= (int64_t)b->requested;
-    k->blocks--;
-    k->frees++;
-    k->freed_total += b->size;
+    _ia_stat_add(&k->in_use, -(int64_t)b->size);
+    _ia_stat_add(&k->requested, -(int64_t)b->requested);
+    _ia_stat_add(&k->blocks, -1);
+    if (split_counted) count_split(k, b, 1);
+    *requested = b->requested;
     b->requested = 0;
     b->cached = true;
     list_push(c, b);

@@ -8,7 +8,7 @@
 //   - allocation and free without the map: the core finds a block's arena by address;
 //   - graph pools: begin/end/release, the capture filters PyTorch hands over, pool use counts;
 //   - CUDA graph trees: live-allocation checks and checkpoints of a pool;
-//   - getDeviceStats, from the core's counters.
+//   - getDeviceStats, PyTorch's statistics as the core fills them.
 // It is compiled against the installed torch on first use (alloc/shims.py) and installed with
 // torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator.
 #include <stddef.h>
@@ -206,28 +206,27 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
   bool isHistoryEnabled() override { return false; }
 
   // ---- statistics
+  // PyTorch's families come filled by the core (ia_plugin_torch_stats: IA_STAT_QUADS names each),
+  // indexed as c10's StatType is: aggregate, small pool, large pool (IA_KIND_*).
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
-    ia_stats_t s;
-    core->device_stats(device, &s);
+    ia_torch_stats_t s;
+    core->torch_stats(device, &s);
     c10::CachingDeviceAllocator::DeviceStats out;
-    auto set = [](auto& stat, uint64_t current, uint64_t peak, uint64_t allocated, uint64_t freed) {
-      auto& a = stat[0];  // the aggregate over all pools
-      a.current = static_cast<int64_t>(current);
-      a.peak = static_cast<int64_t>(peak);
-      a.allocated = static_cast<int64_t>(allocated);
-      a.freed = static_cast<int64_t>(freed);
+    auto copy = [](auto& stats, const ia_stat_t* from) {
+      for (int kind = 0; kind < IA_KIND_COUNT; kind++) {
+        stats[kind].current = from[kind].current;
+        stats[kind].peak = from[kind].peak;
+        stats[kind].allocated = from[kind].allocated;
+        stats[kind].freed = from[kind].freed;
+      }
     };
-    set(out.allocated_bytes, s.in_use, s.in_use_peak, s.allocated_total, s.freed_total);
-    set(out.active_bytes, s.in_use, s.in_use_peak, s.allocated_total, s.freed_total);
-    set(out.requested_bytes, s.requested, s.in_use_peak, s.allocated_total, s.freed_total);
-    set(out.reserved_bytes, s.capacity, s.capacity_peak, 0, 0);
-    set(out.allocation, s.blocks_in_use, s.blocks_in_use, s.requests_served, s.frees);
-    set(out.active, s.blocks_in_use, s.blocks_in_use, s.requests_served, s.frees);
-    set(out.segment, s.regions, s.regions, s.backend_reserves, s.backend_releases);
-    out.num_alloc_retries = static_cast<int64_t>(core->retries());
-    out.num_ooms = static_cast<int64_t>(core->ooms());
-    out.num_device_alloc = static_cast<int64_t>(s.backend_reserves);
-    out.num_device_free = static_cast<int64_t>(s.backend_releases);
+#define IA_COPY(name, torch, doc) copy(out.torch, s.torch);
+    IA_STAT_QUADS(IA_COPY)
+#undef IA_COPY
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
     return out;
   }
 

@@ -149,7 +149,7 @@ def simulate_on_host(args, console: Console) -> dict:
                  compress_ratio=args.compress_ratio, budget_mb=args.budget_mb,
                  prompt_tokens=args.prompt_tokens)
     print_table(report, file=sys.stdout)
-    console.print(f"host-backed arena: {len(plans)} chunks, {stats['requests_served']} pieces served from "
+    console.print(f"host-backed arena: {len(plans)} chunks, {stats['blocks_allocated']} pieces served from "
                   f"one {stats['capacity'] / MiB:.0f} MiB reservation ({stats['backend_reserves']} backend "
                   f"call), peak in use {stats['in_use_peak'] / MiB:.0f} MiB, {wall:.2f} s")
     return {"mode": "host simulation", "arena": stats, "fit": report.to_dict(), "wall_s": wall}

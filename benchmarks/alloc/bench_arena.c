@@ -143,8 +143,8 @@ int main(int argc, char **argv) {
       ia_arena_t *large = ia_plugin_arena(0, IA_POOL_LARGE);
       ia_stats_t s;
       ia_arena_stats(large, &s);
-      if (!ia_arena_check(large, msg, sizeof msg) || s.in_use) {
-        fprintf(stderr, "plugin's large pool: %s, %lu bytes in use\n", msg, (unsigned long)s.in_use);
+      if (!ia_arena_check(large, msg, sizeof msg) || s.in_use.current) {
+        fprintf(stderr, "plugin's large pool: %s, %lu bytes in use\n", msg, (unsigned long)s.in_use.current);
         return 1;
       }
     }
@@ -154,9 +154,9 @@ int main(int argc, char **argv) {
     }
     ia_stats_t s;
     ia_arena_stats(arenas[use_arena], &s);
-    if (s.in_use || s.free_blocks != s.regions) { /* the threads ended: their caches gave all back */
+    if (s.in_use.current || s.free_blocks != s.regions.current) { /* the threads ended: their caches gave all back */
       fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[use_arena],
-              (unsigned long)s.in_use, (unsigned long)s.free_blocks);
+              (unsigned long)s.in_use.current, (unsigned long)s.free_blocks);
       return 1;
     }
     if (use_arena != PLUGIN) ia_arena_destroy(arenas[use_arena]);

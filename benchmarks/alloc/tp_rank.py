@@ -133,7 +133,7 @@ def _workspace_stats(ctx) -> dict | None:
     import alloc
     s = alloc.memory_stats(ctx.device.index)
     return {k: s[f"arena.workspace.{k}"] for k in
-            ("capacity", "in_use_peak", "backend_reserves", "requests_served", "requests_failed")}
+            ("capacity", "in_use_peak", "backend_reserves", "blocks_allocated", "requests_failed")}
 
 
 def _check_workspace(rows: list[dict], budget: int) -> dict:

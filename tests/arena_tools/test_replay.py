@@ -53,7 +53,7 @@ def test_host_replay_reproduces_peak_and_fragmentation(rec, files, source):
     replayed = result["arenas"]
     for key, stats in (("0/workspace", ws), ("0/large", large)):
         for name in ("in_use_peak", "capacity_peak", "capacity", "in_use", "free_blocks", "fragmentation",
-                     "requests_served", "requests_failed", "frees", "backend_reserves"):
+                     "blocks_allocated", "requests_failed", "blocks_freed", "backend_reserves"):
             assert replayed[key][name] == stats[name], (key, name)
     assert result["peak_reserved_bytes"] == large["capacity_peak"] + BUDGET  # the sum over arenas
     assert _layout(result["report"]) == _layout(collect(rec.arenas))

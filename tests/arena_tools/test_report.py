@@ -24,7 +24,7 @@ def rec():
 
 
 def c_report_text(rep: dict) -> str:
-    """The report as csrc/plugin.c's ia_plugin_write_report prints it (fprintf, "%.6f" doubles)."""
+    """The report as csrc/plugin_oom.c's ia_plugin_write_report prints it (fprintf, "%.6f" doubles)."""
     def stats(s):
         return ", ".join(f'"{k}": {s[k]:.6f}' if isinstance(s[k], float) else f'"{k}": {s[k]}'
                          for k in STAT_NAMES)
@@ -36,7 +36,7 @@ def c_report_text(rep: dict) -> str:
         f'{{"device": {d["device"]}, "unified": {"true" if d["unified"] else "false"}, "pools": ['
         + ", ".join(f'{{"pool": "{p["pool"]}", "stats": {{{stats(p["stats"])}}}, "blocks": [{blocks(p["blocks"])}]}}'
                     for p in d["pools"]) + "]}" for d in rep["devices"])
-    return f'{{"format": "indexer-arena-report-1", "budget": {rep["budget"]}, "devices": [{devices}]}}\n'
+    return f'{{"format": "indexer-arena-report-2", "budget": {rep["budget"]}, "devices": [{devices}]}}\n'
 
 
 def test_summary_agrees_with_arena_stats(rec):
@@ -46,7 +46,7 @@ def test_summary_agrees_with_arena_stats(rec):
         stats = rec.arenas[(s["device"], s["pool"])].stats()
         for ours, theirs in (("capacity", "capacity"), ("regions", "regions"), ("in_use", "in_use"),
                              ("requested", "requested"), ("free", "free_bytes"),
-                             ("largest_free", "largest_free"), ("blocks_in_use", "blocks_in_use"),
+                             ("largest_free", "largest_free"), ("blocks", "blocks"),
                              ("free_blocks", "free_blocks"), ("in_use_peak", "in_use_peak")):
             assert s[ours] == stats[theirs], ours
         assert s["fragmentation"] == pytest.approx(stats["fragmentation"], abs=1e-12)
@@ -54,12 +54,12 @@ def test_summary_agrees_with_arena_stats(rec):
         assert sum(h["count"] for h in s["free_histogram"]) == stats["free_blocks"]
         assert sum(h["bytes"] for h in s["free_histogram"]) == stats["free_bytes"]
         sizes = [h["size"] for h in s["top_holders"]]
-        assert sizes == sorted(sizes, reverse=True) and len(sizes) == min(10, stats["blocks_in_use"])
+        assert sizes == sorted(sizes, reverse=True) and len(sizes) == min(10, stats["blocks"])
 
 
 def test_collect_has_the_c_reports_shape(rec):
     rep = arena_report.collect(rec.arenas)
-    assert rep["format"] == "indexer-arena-report-1" and rep["budget"] == BUDGET
+    assert rep["format"] == "indexer-arena-report-2" and rep["budget"] == BUDGET
     assert [d["device"] for d in rep["devices"]] == [0] and rep["devices"][0]["unified"] is False
     for pool in rep["devices"][0]["pools"]:
         assert set(pool) == {"pool", "stats", "blocks"} and list(pool["stats"]) == list(STAT_NAMES)
@@ -152,9 +152,9 @@ def test_timeline_follows_the_events(rec):
 @pytest.mark.parametrize("content, words", [
     (None, ["missing.json", "cannot read it"]),
     ('{"format": "something-else"}', ["bad.json", "not an indexer-arena memory report"]),
-    ('{"format": "indexer-arena-report-1", "devices": [{"device": 0, "pools": '
+    ('{"format": "indexer-arena-report-2", "devices": [{"device": 0, "pools": '
      '[{"pool": "workspace", "blocks": [[1, 2, 3]]}]}]}', ["bad.json", "devices[0].pools[0].blocks[0]"]),
-    ('{"format": "indexer-arena-report-1", "devices": [', ["bad.json", "not valid JSON"]),
+    ('{"format": "indexer-arena-report-2", "devices": [', ["bad.json", "not valid JSON"]),
 ])
 def test_report_errors_name_the_file(tmp_path, capsys, content, words):
     path = tmp_path / ("missing.json" if content is None else "bad.json")
@@ -200,3 +200,14 @@ def test_report_example_on_the_host(tmp_path, capsys):
     snap = export.load_trace(out / "snapshot.pickle")
     assert snap.budget == 64 * MiB and len(snap.events) == 1 + 2 * len(pieces)  # the reservation too
     assert snap.events[0].action == "reserve" and snap.events[0].size == 64 * MiB
+
+
+def test_a_format_1_report_reads_with_its_counters_under_today_s_names():
+    old = {"format": "indexer-arena-report-1", "budget": 0, "devices": [{"device": 0, "pools": [
+        {"pool": "large", "blocks": [], "stats": {"capacity": 4, "blocks_in_use": 2, "requests_served": 5,
+                                                  "frees": 3, "allocated_total": 9, "freed_total": 7}}]}]}
+    stats = report.check_report(old)["devices"][0]["pools"][0]["stats"]
+    assert stats == {"capacity": 4, "blocks": 2, "blocks_allocated": 5, "blocks_freed": 3,
+                     "in_use_allocated": 9, "in_use_freed": 7}
+    with pytest.raises(report.ReportError, match="indexer-arena-report-2"):
+        report.check_report({**old, "format": "indexer-arena-report-0"})

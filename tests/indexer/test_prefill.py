@@ -389,7 +389,7 @@ def _arena_child(path: str, scope: str) -> None:
     torch.save(idx.cpu(), path)
     out = dict(scope=alloc.installed_scope(), pieces=stats.pieces,
                max_piece_bytes=stats.max_piece_bytes,
-               workspace_requests=int(ms["arena.workspace.requests_served"]),
+               workspace_requests=int(ms["arena.workspace.blocks_allocated"]),
                workspace_peak=int(ms["arena.workspace.in_use_peak"]))
     if scope == "workspace":
         out["pool_segments"] = sorted((s["total_size"] for s in alloc.pool_snapshot(0)), reverse=True)

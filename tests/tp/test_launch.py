@@ -211,7 +211,7 @@ def _gpu_like_run(seed, allocator: str, world: int, budget: int) -> dict:
             grow = 0 if allocator == "arena" else i * 10 * 2**20
             ws = None if allocator != "arena" else {
                 "capacity": budget, "in_use_peak": budget // 2, "backend_reserves": 1,
-                "requests_served": i, "requests_failed": 0}
+                "blocks_allocated": i, "requests_failed": 0}
             rows.append({"chunk": i, "tokens": seen, "step_s": 0.02, "mlp_s": 0.01,
                          "indexer_s": 0.01, "device_bytes": 1500 * 2**20 + grow,
                          "allocator_reserved": 900 * 2**20 + grow, "workspace": ws,

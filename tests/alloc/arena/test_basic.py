@@ -17,7 +17,7 @@ def arena():
 def test_size_zero_gives_null_and_costs_nothing(arena):
     assert arena.allocate(0) == 0
     arena.free(0)  # free(NULL) is a no-op, as in C
-    assert arena.stats()["requests_served"] == 0
+    assert arena.stats()["blocks_allocated"] == 0
     assert arena.stats()["in_use"] == 0
 
 
@@ -172,8 +172,8 @@ def test_stats_track_use_and_peaks(arena):
     arena.free(p)
     s = arena.stats()
     assert s["in_use"] == 200 * KiB and s["in_use_peak"] == 500 * KiB
-    assert s["requests_served"] == 2 and s["frees"] == 1
-    assert s["allocated_total"] == 500 * KiB and s["freed_total"] == 300 * KiB
+    assert s["blocks_allocated"] == 2 and s["blocks_freed"] == 1
+    assert s["in_use_allocated"] == 500 * KiB and s["in_use_freed"] == 300 * KiB
     assert s["free_bytes"] == MiB - 200 * KiB and s["free_blocks"] == 2
     assert s["largest_free"] == MiB - 500 * KiB
     assert s["fragmentation"] == pytest.approx(1 - (MiB - 500 * KiB) / (MiB - 200 * KiB))

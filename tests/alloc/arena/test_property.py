@@ -86,7 +86,7 @@ class ArenaMachine(RuleBasedStateMachine):
         s = self.arena.stats()
         g = gaps(self.live, self.base)
         assert s["in_use"] == sum(self.live.values())
-        assert s["blocks_in_use"] == len(self.live)
+        assert s["blocks"] == len(self.live)
         assert s["free_bytes"] == CAPACITY - s["in_use"]
         assert s["free_blocks"] == len(g)
         assert s["largest_free"] == max(g, default=0)

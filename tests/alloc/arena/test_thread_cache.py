@@ -59,15 +59,15 @@ def test_a_cached_block_counts_as_free_and_is_reused_on_its_stream():
         q = a.allocate(64 * KiB, S1)  # p's neighbour: in an uncached arena p would merge on free
         a.free(p, S1)
         s = a.stats()
-        assert s["in_use"] == 64 * KiB and s["blocks_in_use"] == 1 and s["requested"] == 64 * KiB
+        assert s["in_use"] == 64 * KiB and s["blocks"] == 1 and s["requested"] == 64 * KiB
         assert s["free_bytes"] == MiB - 64 * KiB and s["free_blocks"] == 2  # p, kept whole, and the rest
-        assert s["frees"] == 1 and s["requests_served"] == 2 and s["in_use_peak"] == 129 * KiB
+        assert s["blocks_freed"] == 1 and s["blocks_allocated"] == 2 and s["in_use_peak"] == 129 * KiB
         assert [b.state for b in a.blocks()] == ["free", "used", "free"]
         # Same stream, same size class (64 to 66 KiB): p again, whole, with no event and no wait.
         assert a.allocate(64 * KiB + 256, S1) == p
         s = a.stats()
         assert s["event_records"] == 0 and s["stream_waits"] == 0
-        assert s["in_use"] == 129 * KiB and s["requested"] == 128 * KiB + 256 and s["requests_served"] == 3
+        assert s["in_use"] == 129 * KiB and s["requested"] == 128 * KiB + 256 and s["blocks_allocated"] == 3
         assert a.allocate(63 * KiB, S1) not in (p, q)  # another class: from the arena
         a.free(p, S1)
         a.free(q, S1)
@@ -148,7 +148,7 @@ def test_blocks_allocated_on_one_thread_free_on_another():
         for p in made[1::2]:  # blocks lent to the other thread's cache, freed from this one
             a.free(p)
         a.check()
-        assert a.stats()["blocks_in_use"] == 0
+        assert a.stats()["blocks"] == 0
         done.set()
         t.join()
         a.check()

@@ -313,7 +313,7 @@ print(json.dumps({{"err": err}}))
 """)
     assert str(report) in out["err"]
     data = json.loads(report.read_text())
-    assert data["format"] == "indexer-arena-report-1" and data["budget"] == 16 << 20
+    assert data["format"] == "indexer-arena-report-2" and data["budget"] == 16 << 20
     pools = {p["pool"]: p for p in data["devices"][0]["pools"]}
     assert pools["workspace"]["stats"]["capacity"] == 16 << 20
     assert pools["workspace"]["stats"]["requests_failed"] == 1

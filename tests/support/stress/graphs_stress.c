@@ -148,9 +148,9 @@ int main(int argc, char **argv) {
   ia_graph_pool_info_t info[4];
   ia_device_totals_t totals = ia_plugin_device_totals(0);
   size_t pools = ia_graph_pools(0, info, 4);
-  if (canary_failures || pools || totals.in_use || ia_host_capture_violations()) {
+  if (canary_failures || pools || totals.in_use.current || ia_host_capture_violations()) {
     fprintf(stderr, "canary failures %lu, pools left %zu, bytes live %lu, capture violations %lu\n",
-            (unsigned long)canary_failures, pools, (unsigned long)totals.in_use,
+            (unsigned long)canary_failures, pools, (unsigned long)totals.in_use.current,
             (unsigned long)ia_host_capture_violations());
     return 1;
   }

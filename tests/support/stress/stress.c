@@ -191,19 +191,19 @@ int main(int argc, char **argv) {
     ia_arena_release_cached(arena);
     ia_arena_stats(arena, &s);
     ia_host_mapping_counters(backend, &c);
-    if (s.capacity || s.regions || c.mapped || c.errors || s.in_use) {
+    if (s.capacity.current || s.regions.current || c.mapped || c.errors || s.in_use.current) {
       fprintf(stderr, "mapping not back to nothing: capacity %lu, %lu stretches, %lu mapped, %lu errors\n",
-              (unsigned long)s.capacity, (unsigned long)s.regions, (unsigned long)c.mapped, (unsigned long)c.errors);
+              (unsigned long)s.capacity.current, (unsigned long)s.regions.current, (unsigned long)c.mapped, (unsigned long)c.errors);
       return 1;
     }
-  } else if (s.free_blocks != 1 || s.largest_free != capacity || s.in_use != 0) {
+  } else if (s.free_blocks != 1 || s.largest_free != capacity || s.in_use.current != 0) {
     fprintf(stderr, "arena not back to one free block: %lu free blocks, %lu in use\n",
-            (unsigned long)s.free_blocks, (unsigned long)s.in_use);
+            (unsigned long)s.free_blocks, (unsigned long)s.in_use.current);
     return 1;
   }
   double ms = (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) / 1e6;
   printf("ok %lu ops %.1f ms %lu oom %lu served %lu waits\n", (unsigned long)total_ops, ms,
-         (unsigned long)oom_count, (unsigned long)s.requests_served, (unsigned long)s.stream_waits);
+         (unsigned long)oom_count, (unsigned long)s.blocks.allocated, (unsigned long)s.stream_waits);
   ia_arena_destroy(arena);
   return 0;
 }

@@ -224,9 +224,9 @@ static bool inspect(const char *when, int round) {
   }
   ia_stats_t s;
   ia_arena_stats(a, &s);
-  if (s.free_bytes + s.in_use != s.capacity) {
+  if (s.free_bytes + s.in_use.current != s.capacity.current) {
     fprintf(stderr, "%s of round %d: %lu free and %lu used bytes of %lu\n", when, round,
-            (unsigned long)s.free_bytes, (unsigned long)s.in_use, (unsigned long)s.capacity);
+            (unsigned long)s.free_bytes, (unsigned long)s.in_use.current, (unsigned long)s.capacity.current);
     return false;
   }
   /* One listing is one moment: its blocks tile the arena, cached ones listed as free. */
@@ -374,13 +374,13 @@ int main(int argc, char **argv) {
     return 1;
   }
   /* Every thread has ended: whatever their caches kept must be back and merged. */
-  if (s.free_blocks != 1 || s.largest_free != CAPACITY || s.in_use != 0 || s.blocks_in_use != 0) {
+  if (s.free_blocks != 1 || s.largest_free != CAPACITY || s.in_use.current != 0 || s.blocks.current != 0) {
     fprintf(stderr, "arena not back to one free block: %lu free blocks, %lu bytes in %lu blocks in use\n",
-            (unsigned long)s.free_blocks, (unsigned long)s.in_use, (unsigned long)s.blocks_in_use);
+            (unsigned long)s.free_blocks, (unsigned long)s.in_use.current, (unsigned long)s.blocks.current);
     return 1;
   }
   printf("ok %lu ops %lu served %lu returned %lu exited %lu cancelled %u same-address\n",
-         (unsigned long)ops_done, (unsigned long)s.requests_served, (unsigned long)returns,
+         (unsigned long)ops_done, (unsigned long)s.blocks.allocated, (unsigned long)returns,
          (unsigned long)exits, (unsigned long)cancels, same_address);
   ia_arena_destroy(a);
   return 0;

@@ -1,0 +1,157 @@
+/* What an arena says of itself: statistics, device totals, its blocks and regions. */
+#include <pthread.h>
+
+#include "internal.h"
+
+typedef _ia_region_t region_t;
+typedef _ia_block_t block_t;
+
+void _ia_totals_reset_peaks(ia_totals_t *t) {
+  _ia_total_t *all[] = {&t->in_use, &t->requested, &t->blocks, &t->capacity, &t->regions};
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) atomic_store(&all[i]->peak, atomic_load(&all[i]->current));
+}
+
+void _ia_count_capacity(ia_arena_t *a, int64_t bytes) {
+  _ia_stat_add(&a->stats.capacity, bytes);
+  if (a->totals) _ia_total_add(&a->totals->capacity, bytes);
+}
+
+void _ia_count_regions(ia_arena_t *a, int64_t n) {
+  _ia_stat_add(&a->stats.regions, n);
+  if (a->totals) _ia_total_add(&a->totals->regions, n);
+}
+
+void _ia_count_split(ia_arena_t *a, int64_t blocks, int64_t bytes) {
+  _ia_stat_add(&a->stats.inactive_split, blocks);
+  _ia_stat_add(&a->stats.inactive_split_bytes, bytes);
+}
+
+void _ia_arena_watch_captures(ia_arena_t *a, const _Atomic int *captures) {
+  pthread_mutex_lock(&a->lock);
+  a->captures = captures;
+  pthread_mutex_unlock(&a->lock);
+}
+
+void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
+  pthread_mutex_lock(&a->lock);
+  a->totals = t;
+  a->captures = &t->captures;
+  const ia_stats_t *s = &a->stats;
+  _ia_total_add(&t->in_use, s->in_use.current);
+  _ia_total_add(&t->requested, s->requested.current);
+  _ia_total_add(&t->blocks, s->blocks.current);
+  _ia_total_add(&t->capacity, s->capacity.current);
+  _ia_total_add(&t->regions, s->regions.current);
+  pthread_mutex_unlock(&a->lock);
+}
+
+void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx) {
+  pthread_mutex_lock(&a->lock);
+  a->on_region = hook;
+  a->on_region_ctx = ctx;
+  if (a->range_size && hook) hook(ctx, a, a->range_base, a->range_size, true); /* mapping: the range */
+  for (region_t *r = a->page ? NULL : a->regions; r && hook; r = r->next) hook(ctx, a, r->base, r->size, true);
+  pthread_mutex_unlock(&a->lock);
+}
+
+bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
+  uintptr_t p = (uintptr_t)ptr;
+  if (a->fixed_hi) return p >= a->fixed_lo && p < a->fixed_hi;
+  pthread_mutex_lock(&a->lock);
+  bool owned = _ia_region_of(a, p) != NULL;
+  pthread_mutex_unlock(&a->lock);
+  return owned;
+}
+
+size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
+
+size_t ia_arena_page_size(const ia_arena_t *a) { return a->page; }
+
+const ia_backend_t *ia_arena_backend(const ia_arena_t *a) { return a->backend; }
+
+bool ia_arena_address_range(const ia_arena_t *a, ia_region_info_t *out) {
+  if (a->range_size) *out = (ia_region_info_t){a->range_base, a->range_size};
+  return a->range_size != 0;
+}
+
+
+static uint64_t largest_free_locked(const ia_arena_t *a) {
+  if (!a->fl_bitmap) return 0;
+  unsigned fl = _ia_log2_floor(a->fl_bitmap);
+  unsigned sl = _ia_log2_floor(a->sl_bitmap[fl]);
+  uint64_t largest = 0;
+  for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)
+    if (b->size > largest) largest = b->size;
+  return largest;
+}
+
+/* Blocks kept by thread caches count as free (they are, to PyTorch's allocated-versus-reserved
+ * view), each as the block it is: they have not merged with their neighbours. */
+void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
+  pthread_mutex_lock(&a->lock);
+  uint64_t cached_bytes = 0, cached_blocks = 0, cached_largest = 0;
+  for (size_t i = 0; i < a->n_caches; i++) {
+    uint64_t bytes, blocks, largest;
+    _ia_tcache_lock(a->caches[i]);
+    _ia_fold(a, a->caches[i]);
+    _ia_tcache_free_info(a->caches[i], &bytes, &blocks, &largest);
+    _ia_tcache_unlock(a->caches[i]);
+    cached_bytes += bytes;
+    cached_blocks += blocks;
+    if (largest > cached_largest) cached_largest = largest;
+  }
+  *out = a->stats;
+  out->largest_free = largest_free_locked(a);
+  pthread_mutex_unlock(&a->lock);
+  out->free_bytes += cached_bytes;
+  out->free_blocks += cached_blocks;
+  if (cached_largest > out->largest_free) out->largest_free = cached_largest;
+  out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
+}
+
+void ia_arena_reset_peaks(ia_arena_t *a) {
+  pthread_mutex_lock(&a->lock);
+  _ia_fold_all(a);
+#define RESET(name, torch, doc) a->stats.name.peak = a->stats.name.current;
+  IA_STAT_QUADS(RESET)
+#undef RESET
+  pthread_mutex_unlock(&a->lock);
+}
+
+size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
+  pthread_mutex_lock(&a->lock);
+  size_t n = 0;
+  for (region_t *r = a->regions; r; r = r->next, n++)
+    if (n < cap) out[n] = (ia_region_info_t){r->base, r->size};
+  pthread_mutex_unlock(&a->lock);
+  return n;
+}
+
+/* A block a thread cache keeps is listed as the free block it is (it may neighbour another), as
+ * ia_arena_stats counts it: looking does not change the arena. */
+size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
+  pthread_mutex_lock(&a->lock);
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_lock(a->caches[i]);
+  size_t n = 0;
+  uint32_t index = 0;
+  for (region_t *r = a->regions; r; r = r->next, index++)
+    for (block_t *b = r->first; b; b = b->phys_next, n++)
+      if (n < cap)
+        out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
+                                   .region_base = r->base, .region = index,
+                                   .is_free = b->is_free || (b->cache && b->cached), .stream = b->stream};
+  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_unlock(a->caches[i]);
+  pthread_mutex_unlock(&a->lock);
+  return n;
+}
+
+void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
+  pthread_mutex_lock(&a->lock);
+  bool attaching = t && t != atomic_load(&a->trace);
+  atomic_store(&a->trace_tag, (uint64_t)(uint32_t)device << 8 | pool);
+  atomic_store_explicit(&a->trace, t, memory_order_release);
+  /* A trace starts with the regions already held, so a consumer knows the arena's layout. */
+  for (region_t *r = attaching ? a->regions : NULL; r; r = r->next)
+    _ia_arena_trace(a, IA_TRACE_RESERVE, r->base, r->size, IA_STREAM_NONE);
+  pthread_mutex_unlock(&a->lock);
+}

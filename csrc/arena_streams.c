@@ -1,0 +1,121 @@
+/* Stream-ordered reuse: one event per stream that frees, recorded lazily, and the waits that
+ * order an allocating stream after a free on another (arena.c says when). */
+#include <pthread.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+typedef _ia_region_t region_t;
+typedef _ia_block_t block_t;
+
+/* ---- stream ordering -------------------------------------------------------------------------- */
+
+_ia_stream_state_t *_ia_stream_state(ia_arena_t *a, ia_stream_t s, ia_status_t *st) {
+  for (size_t i = 0; i < a->n_streams; i++)
+    if (a->streams[i].stream == s) return &a->streams[i];
+  if (a->n_streams == a->cap_streams) {
+    size_t cap = a->cap_streams ? a->cap_streams * 2 : 8;
+    _ia_stream_state_t *grown = realloc(a->streams, cap * sizeof *grown);
+    if (!grown) {
+      *st = IA_ERR_NO_HOST_MEMORY;
+      return NULL;
+    }
+    a->streams = grown;
+    a->cap_streams = cap;
+  }
+  _ia_stream_state_t *ss = &a->streams[a->n_streams];
+  *ss = (_ia_stream_state_t){.stream = s};
+  if ((*st = a->backend->event_create(a->backend, &ss->event)) != IA_OK) return NULL;
+  a->n_streams++;
+  return ss;
+}
+
+/* Makes `waiter` ordered after everything `freed_on` had queued when the free numbered free_seq
+ * happened (UINT64_MAX: after everything it has queued now). */
+ia_status_t _ia_order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed_on,
+                               uint64_t free_seq) {
+  if (freed_on == IA_STREAM_NONE || freed_on == waiter) return IA_OK;
+  ia_status_t st = IA_OK;
+  _ia_stream_state_t *ss = _ia_stream_state(a, freed_on, &st);
+  if (!ss) return st;
+  if (ss->recorded_seq < free_seq) {
+    if ((st = a->backend->event_record(a->backend, ss->event, freed_on)) != IA_OK) return st;
+    ss->recorded_seq = a->free_seq;
+    a->stats.event_records++;
+  }
+  if (a->backend->event_done(a->backend, ss->event)) return IA_OK;
+  if ((st = a->backend->stream_wait(a->backend, waiter, ss->event)) != IA_OK) return st;
+  a->stats.stream_waits++;
+  return IA_OK;
+}
+
+ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  pthread_mutex_lock(&a->lock);
+  ia_status_t st = IA_OK;
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
+  _ia_tcache_t *owner = b ? b->cache : NULL;
+  if (owner) _ia_tcache_lock(owner); /* a lent block's streams are its cache's to read */
+  if (!b || (owner && b->cached)) {
+    st = _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
+  } else if (stream != b->stream) {
+    bool known = false;
+    for (uint32_t i = 0; i < b->n_uses; i++) known |= b->uses[i] == stream;
+    if (!known) {
+      if (b->n_uses == b->cap_uses) {
+        uint32_t cap = b->cap_uses ? b->cap_uses * 2 : 4;
+        ia_stream_t *grown = realloc(b->uses, cap * sizeof *grown);
+        if (!grown) st = IA_ERR_NO_HOST_MEMORY;
+        else {
+          b->uses = grown;
+          b->cap_uses = cap;
+        }
+      }
+      if (st == IA_OK) b->uses[b->n_uses++] = stream;
+    }
+  }
+  if (owner) _ia_tcache_unlock(owner);
+  pthread_mutex_unlock(&a->lock);
+  return st;
+}
+
+void _ia_arena_flush_events(ia_arena_t *a) {
+  pthread_mutex_lock(&a->lock);
+  _ia_drain(a); /* frees kept by threads need their events now too */
+  for (region_t *r = a->regions; r; r = r->next)
+    for (block_t *b = r->first; b; b = b->phys_next) {
+      if (!b->is_free || b->stream == IA_STREAM_NONE) continue;
+      ia_status_t st = IA_OK;
+      _ia_stream_state_t *ss = _ia_stream_state(a, b->stream, &st);
+      if (ss && ss->recorded_seq < b->free_seq &&
+          a->backend->event_record(a->backend, ss->event, b->stream) == IA_OK) {
+        ss->recorded_seq = a->free_seq;
+        a->stats.event_records++;
+      }
+    }
+  pthread_mutex_unlock(&a->lock);
+}
+
+ia_status_t _ia_arena_grant_access(ia_arena_t *a, int peer) {
+  pthread_mutex_lock(&a->lock); /* maps happen under it too, so none misses the peer */
+  ia_status_t st = a->page && a->backend->grant_access ? a->backend->grant_access(a->backend, peer) : IA_OK;
+  pthread_mutex_unlock(&a->lock);
+  return st;
+}
+
+bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
+  return a->backend->stream_capturing && a->backend->stream_capturing(a->backend, stream);
+}
+
+bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
+  pthread_mutex_lock(&a->lock);
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
+  if (b && b->cache) _ia_tcache_lock(b->cache);
+  bool live = b && !(b->cache && b->cached);
+  if (live) {
+    *stream = b->stream;
+    *other_streams = b->n_uses;
+  }
+  if (b && b->cache) _ia_tcache_unlock(b->cache);
+  pthread_mutex_unlock(&a->lock);
+  return live;
+}

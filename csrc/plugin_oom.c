@@ -1,0 +1,228 @@
+/* What the plugin says when memory runs out: the out-of-memory messages, and the JSON report
+ * (ia_plugin_write_report) they point to. */
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define MiB ((size_t)1 << 20)
+
+void _ia_raise_oom(const char *message) {
+  atomic_fetch_add(&_ia_plugin.ooms, 1);
+  if (_ia_plugin.config.raise_oom) _ia_plugin.config.raise_oom(message); /* throws */
+  fprintf(stderr, "indexer-arena: %s\nindexer-arena: no out-of-memory hook is set; aborting\n", message);
+  abort();
+}
+
+static size_t describe_arena(ia_arena_t *a, char *buf, size_t len) {
+  ia_stats_t s;
+  ia_arena_stats(a, &s);
+  char cap[32], used[32], largest[32], page[32], pages[64] = "";
+  if (ia_arena_page_size(a))
+    snprintf(pages, sizeof pages, " mapped in %s pages", _ia_format_bytes(ia_arena_page_size(a), page, sizeof page));
+  return (size_t)snprintf(buf, len, "holds %s%s, %s in use, largest free block %s",
+                          _ia_format_bytes((uint64_t)s.capacity.current, cap, sizeof cap), pages,
+                          _ia_format_bytes((uint64_t)s.in_use.current, used, sizeof used),
+                          _ia_format_bytes(s.largest_free, largest, sizeof largest));
+}
+
+static void report_hint(char *buf, size_t len) {
+  if (!_ia_plugin.config.oom_report_path) {
+    buf[0] = '\0';
+    return;
+  }
+  bool written = ia_plugin_write_report(_ia_plugin.config.oom_report_path);
+  snprintf(buf, len, written ? " Memory report written to %s." : " (Could not write the memory report to %s.)",
+           _ia_plugin.config.oom_report_path);
+}
+
+/* Bytes the device's CUDA graph pools hold: of one pool, or of all (NULL). */
+static uint64_t graph_pools_held(int device, const ia_pool_id_t *id) {
+  ia_graph_pool_info_t info[64];
+  size_t n = ia_graph_pools(device, info, 64);
+  uint64_t held = 0;
+  for (size_t i = 0; i < n && i < 64; i++)
+    if (!id || (info[i].first == id->first && info[i].second == id->second)) held += info[i].capacity;
+  return held;
+}
+
+/* Why a growable arena of the device could not grow, as a sentence that follows another. */
+static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
+  if (st == IA_ERR_LIMIT)
+    snprintf(buf, len, " The pools may hold at most %.0f MiB here (torch.cuda.set_per_process_memory_fraction).",
+             (double)atomic_load(&_ia_plugin.devices[device].totals.limit) / (double)MiB);
+  else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(buf, len, " %s.", ia_guard_last_message());
+  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY || (st == IA_ERR_BACKEND && ia_cuda_last_error()[0]))
+    snprintf(buf, len, " %s.", ia_cuda_last_error()); /* a driver call's own words (mapping, too) */
+  else snprintf(buf, len, " %s.", ia_status_str(st));
+}
+
+__attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size, ia_status_t st) {
+  char message[2048], req[32], state[256], hint[512], budget[32], graphs[32];
+  _ia_format_bytes(size, req, sizeof req);
+  if (pool < 0) {
+    snprintf(message, sizeof message, "CUDA out of memory on device %d: cannot allocate %s: %s", device,
+             req, _ia_failure);
+    _ia_raise_oom(message);
+  }
+  ia_arena_t *a = _ia_plugin.devices[device].arenas[pool];
+  describe_arena(a, state, sizeof state);
+  report_hint(hint, sizeof hint);
+  if (pool == IA_POOL_WORKSPACE) {
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: workspace request of %s (%zu bytes) does not fit the "
+             "workspace arena (budget %s; it %s). The workspace arena never grows: raise budget_mb in "
+             "INDEXER_ARENA_CONF (or VLLM_SPARSE_INDEXER_MAX_LOGITS_MB), or plan smaller pieces.%s",
+             device, req, size, _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget), state, hint);
+  } else {
+    char why[640], range[32];
+    ia_region_info_t r;
+    if (st == IA_ERR_OUT_OF_MEMORY && ia_arena_address_range(a, &r))
+      snprintf(why, sizeof why, " No gap of its %s address range can take it (mapped pools reserve the "
+               "device's memory in address space, once).", _ia_format_bytes(r.size, range, sizeof range));
+    else
+      growth_refusal(st, device, why, sizeof why);
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: request of %s (%zu bytes) for the general %s pool "
+             "(it %s; the workspace arena holds a further %s, CUDA graph pools %s).%s Free tensors or "
+             "call torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
+             "device more room.%s",
+             device, req, size, ia_plugin_pool_name(pool), state,
+             ia_plugin_arena(device, IA_POOL_WORKSPACE) ? _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget)
+                                                        : "nothing (not reserved yet)",
+             _ia_format_bytes(graph_pools_held(device, NULL), graphs, sizeof graphs), why, hint);
+  }
+  _ia_raise_oom(message);
+}
+
+__attribute__((noinline)) void _ia_fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size,
+                                                       ia_status_t st) {
+  char message[2048], req[32], held[32], budget[32], state[256] = "", why[640], hint[512];
+  _ia_format_bytes(size, req, sizeof req);
+  if (st == IA_ERR_INVALID_ARGUMENT) snprintf(why, sizeof why, " %.600s.", _ia_failure[0] ? _ia_failure :
+                                              "PyTorch is not allocating to that pool now");
+  else growth_refusal(st, device, why, sizeof why);
+  report_hint(hint, sizeof hint);
+  if (kind == GRAPH_WORKSPACE) {
+    ia_arena_t *ws = ia_plugin_arena(device, IA_POOL_WORKSPACE);
+    if (ws) describe_arena(ws, state, sizeof state);
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: workspace request of %s while capturing into CUDA graph "
+             "pool (%" PRIu64 ", %" PRIu64 ") does not fit the workspace arena (budget %s; it %s). "
+             "A graph keeps the workspace blocks it allocates until it is released: raise budget_mb in "
+             "INDEXER_ARENA_CONF, or capture smaller pieces.%s",
+             device, req, id.first, id.second, _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget),
+             state, hint);
+  } else {
+    snprintf(message, sizeof message,
+             "CUDA out of memory on device %d: request of %s (%zu bytes) for CUDA graph pool (%" PRIu64 ", %" PRIu64
+             "), which holds %s.%s A graph keeps what it allocates during capture until it is released: free "
+             "eager tensors and call torch.cuda.empty_cache() before capturing, or lower budget_mb in "
+             "INDEXER_ARENA_CONF.%s",
+             device, req, size, id.first, id.second,
+             _ia_format_bytes(graph_pools_held(device, &id), held, sizeof held), why, hint);
+  }
+  _ia_raise_oom(message);
+}
+
+void _ia_describe_pool_refusal(_ia_device_slot_t *slot, int device, size_t size, void *stream) {
+  char req[32], left[32], other[384] = "";
+  ia_stats_t s;
+  ia_arena_stats(slot->arenas[IA_POOL_WORKSPACE], &s);
+  ia_stream_t first = atomic_load(&slot->pool_stream);
+  if (first != (ia_stream_t)stream)
+    snprintf(other, sizeof other, " The budget's segment belongs to stream %#" PRIxPTR " and this request "
+             "came on stream %#" PRIxPTR ": PyTorch gives a segment's blocks to its own stream only, so in "
+             "workspace scope keep each device's workspaces on one stream, or use the process scope.",
+             (uintptr_t)first, (uintptr_t)stream);
+  snprintf(_ia_failure, sizeof _ia_failure, "the pool of device %d asked its arena for another segment of %s on stream "
+           "%#" PRIxPTR ", and the arena has %s left in one piece.%s", device, _ia_format_bytes(size, req, sizeof req),
+           (uintptr_t)stream, _ia_format_bytes(s.largest_free, left, sizeof left), other);
+}
+
+/* ---- the out-of-memory report ----------------------------------------------------------------- */
+
+static void write_pool(FILE *f, const char *sep_before, const char *name, ia_arena_t *a) {
+  ia_stats_t s;
+  ia_arena_stats(a, &s);
+  fprintf(f, "%s{\"pool\": \"%s\", \"stats\": {", sep_before, name);
+  const char *sep = "";
+#define IA_QUAD_JSON(name, torch, doc)                                                              \
+  fprintf(f, "%s\"%s\": %" PRId64 ", \"%s_peak\": %" PRId64 ", \"%s_allocated\": %" PRId64                  \
+          ", \"%s_freed\": %" PRId64, sep, #name, s.name.current, #name, s.name.peak, #name, s.name.allocated,   \
+          #name, s.name.freed);                                                                       \
+  sep = ", ";
+#define IA_STAT_JSON(type, name, doc)                                                               \
+  fprintf(f, _Generic(s.name, double: "%s\"%s\": %.6f", default: "%s\"%s\": %" PRIu64), sep, #name, s.name); \
+  sep = ", ";
+  IA_STAT_QUADS(IA_QUAD_JSON)
+  IA_STAT_COUNTERS(IA_STAT_JSON)
+#undef IA_STAT_JSON
+#undef IA_QUAD_JSON
+  fprintf(f, "}, \"blocks\": [");
+  size_t count = ia_arena_blocks(a, NULL, 0);
+  ia_block_info_t *blocks = calloc(count + 1, sizeof *blocks);
+  if (blocks) count = ia_arena_blocks(a, blocks, count);
+  for (size_t i = 0; blocks && i < count; i++)
+    fprintf(f, "%s[%" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %" PRIu64 ", %d, %" PRIu64 "]", i ? ", " : "",
+            (uint64_t)blocks[i].region_base, (uint64_t)(blocks[i].address - blocks[i].region_base),
+            blocks[i].size, blocks[i].requested, blocks[i].is_free ? 0 : 1, (uint64_t)blocks[i].stream);
+  free(blocks);
+  fprintf(f, "]}");
+}
+
+typedef struct {
+  FILE *f;
+  const char *sep;
+} report_t;
+
+static void write_graph_pool(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *a) {
+  report_t *r = ctx;
+  if (kind == GRAPH_WORKSPACE) return;
+  char name[96];
+  snprintf(name, sizeof name, "graph (%" PRIu64 ", %" PRIu64 ") %s", id.first, id.second,
+           kind == GRAPH_SMALL ? "small" : "large");
+  write_pool(r->f, r->sep, name, a);
+  r->sep = ", ";
+}
+
+/* JSON, so that `python -m alloc report FILE` reads it back: per device and pool, the statistics
+ * and every block; CUDA graph pools as pools "graph (first, second) small|large" (their workspace
+ * carve-outs are blocks of the workspace pool) and, per device, "graph_pools" with each pool's
+ * figures. Written with stdio only: this runs while allocations fail. */
+bool ia_plugin_write_report(const char *path) {
+  FILE *f = fopen(path, "w");
+  if (!f) return false;
+  fprintf(f, "{\"format\": \"indexer-arena-report-2\", \"budget\": %zu, \"devices\": [", _ia_plugin.config.budget);
+  bool first_device = true;
+  for (int d = 0; d < IA_MAX_DEVICES; d++) {
+    _ia_device_slot_t *slot = &_ia_plugin.devices[d];
+    if (atomic_load(&slot->ready) != 1) continue;
+    fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"expandable\": %s, \"pools\": [", first_device ? "" : ", ",
+            d, slot->unified ? "true" : "false", slot->expandable ? "true" : "false");
+    first_device = false;
+    const char *sep = "";
+    for (int p = 0; p < IA_POOL_COUNT; p++)
+      if (ia_plugin_arena(d, p)) {
+        write_pool(f, sep, ia_plugin_pool_name(p), slot->arenas[p]);
+        sep = ", ";
+      }
+    report_t r = {f, sep};
+    _ia_graph_each_arena(d, write_graph_pool, &r);
+    ia_graph_pool_info_t pools[64];
+    size_t n = ia_graph_pools(d, pools, 64);
+    n = n < 64 ? n : 64;
+    fprintf(f, "], \"graph_pools\": [");
+    for (size_t i = 0; i < n; i++)
+      fprintf(f, "%s{\"id\": [%" PRIu64 ", %" PRIu64 "], \"use_count\": %d, \"capacity\": %" PRIu64
+              ", \"in_use\": %" PRIu64 ", \"workspace\": %" PRIu64 "}", i ? ", " : "", pools[i].first,
+              pools[i].second, (int)pools[i].use_count, pools[i].capacity, pools[i].in_use, pools[i].workspace);
+    fprintf(f, "]}");
+  }
+  fprintf(f, "]}\n");
+  return fclose(f) == 0;
+}
