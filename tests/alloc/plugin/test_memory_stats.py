@@ -70,10 +70,13 @@ del x
 torch.cuda.synchronize()
 y = u8(700_000)  # PyTorch processes the completed event first: the delayed block is free again
 snaps.append(stats())
-# a large segment, freed, then split by a smaller large request; frees that merge
+# a large segment, freed, then split by a smaller large request; frees that merge. Outside
+# expandable segments PyTorch hands out a large block whole when less than 1 MiB and a bit would
+# be left, and counts all of it as allocated: the 10 MiB request leaves 3 MiB of the 13 MiB free
+# block (x's 4 MiB merged with the first segment's 9 MiB tail), so both allocators count 10.
 big = u8(30 * MiB)
 del big
-part = u8(12 * MiB)
+part = u8(10 * MiB)
 del a, b
 snaps.append(stats())
 del c, d, y
