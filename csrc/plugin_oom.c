@@ -190,7 +190,7 @@ static void write_graph_pool(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *a
   r->sep = ", ";
 }
 
-/* JSON, so that `python -m alloc report FILE` reads it back: per device and pool, the statistics
+/* JSON, so that `python -m arena_tools report FILE` reads it back: per device and pool, the statistics
  * and every block; CUDA graph pools as pools "graph (first, second) small|large" (their workspace
  * carve-outs are blocks of the workspace pool) and, per device, "graph_pools" with each pool's
  * figures. Written with stdio only: this runs while allocations fail. */

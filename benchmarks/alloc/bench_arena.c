@@ -9,7 +9,7 @@
  * its arena in the region registry; their thread caches are the plugin's), or "malloc", glibc
  * malloc/free on the same sequence. One allocator per process: glibc's heap adapts its thresholds to what ran
  * before in the process (the arena's own bookkeeping included), which would bias the reference;
- * benchmarks/bench_arena.py runs the processes in a rotated order.
+ * benchmarks/alloc/bench_arena.py runs the processes in a rotated order.
  * usage: bench_arena arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
  *        prints one line "allocator threads ns_per_pair" per repeat. */
 #include <pthread.h>
