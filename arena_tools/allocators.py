@@ -131,19 +131,29 @@ def run_child(argv: Callable[[str], list[str]], env: Mapping[str, str], *, timeo
 
 def run_each(names: Sequence[str], argv: Callable[[str, str], list[str]], *, rounds: int = 1,
              timeout: float | None = None, on_line: Callable[[str, str], None] | None = None,
+             on_result: Callable[[int, dict], None] | None = None,
              base: Mapping[str, str] | None = None) -> list[dict]:
     """Runs ``argv(name, result_path)`` under each allocator of ``names``, each in a fresh process
     set up by ``child_environ``, the rounds alternating (A B A B). Returns the results in run
     order, each with ``allocator`` set; a child that failed gives ``{"allocator": name, "error":
-    why, "stderr": ...}``."""
+    why, "stderr": ...}``. ``on_result(round, result)`` sees each result as its child ends."""
     results = []
-    for _ in range(rounds):
+    for round_ in range(1, rounds + 1):
         for name in names:
             line = None if on_line is None else (lambda text, name=name: on_line(name, text))
             out = run_child(lambda path, name=name: argv(name, path), child_environ(name, base),
                             timeout=timeout, on_line=line)
             results.append(out if "allocator" in out else {"allocator": name, **out})
+            if on_result is not None:
+                on_result(round_, results[-1])
     return results
+
+
+def summary(round_: int, result: dict) -> str:
+    """One line of a finished run: its allocator, round and scalar figures (lists and tables left
+    out), so that a comparison stopped by a time limit still leaves what it measured."""
+    scalars = {k: v for k, v in result.items() if isinstance(v, (int, float, str, bool)) and k != "stderr"}
+    return f"run: round {round_} " + json.dumps(scalars, separators=(",", ":"))
 
 
 def stop_on_error(results: Sequence[dict]) -> None:

@@ -61,10 +61,12 @@ def child(args, work: Callable[[argparse.Namespace], dict]) -> bool:
 def each_allocator(names: Sequence[str], script: str, forwarded: Sequence[str], *, rounds: int = 1,
                    stop_on_error: bool = False) -> list[dict]:
     """Runs ``script --worker NAME --result PATH *forwarded`` under each allocator of ``names``,
-    each in a fresh process, the rounds alternating (A B A B); the results in run order. With
+    each in a fresh process, the rounds alternating (A B A B); the results in run order, each
+    also summed up in a line on standard error as its run ends (allocators.summary). With
     ``stop_on_error`` the first failed run ends the program with its standard error."""
     runs = allocators.run_each(names, lambda name, result: allocators.python(
-        script, "--worker", name, "--result", result, *forwarded), rounds=rounds)
+        script, "--worker", name, "--result", result, *forwarded), rounds=rounds,
+        on_result=lambda round_, r: print(allocators.summary(round_, r), file=sys.stderr, flush=True))
     if stop_on_error:
         allocators.stop_on_error(runs)
     return runs

@@ -70,6 +70,10 @@ def test_harness_runs_each_allocator_in_a_fresh_process_rounds_alternated(tmp_pa
     assert len({r["pid"] for r in runs}) == 4
     assert all(r["x"] == "7" and "--json" not in r["argv"] for r in runs)  # flags forwarded, --json kept
     assert proc.stdout.strip().splitlines()[-1] == "goal: every run its own process: 4 runs: met"
+    # each run is also summed up as it ends, so that a run stopped by a time limit leaves figures
+    ended = [json.loads(line.split(" ", 3)[3]) for line in proc.stderr.splitlines() if line.startswith("run: round ")]
+    assert [(r["allocator"], r["pid"]) for r in ended] == [(r["allocator"], r["pid"]) for r in runs]
+    assert [line.split(" ")[2] for line in proc.stderr.splitlines() if line.startswith("run: round ")] == ["1", "1", "2", "2"]
 
 
 def test_harness_refuses_an_unwritable_json_path_in_one_line(tmp_path):
