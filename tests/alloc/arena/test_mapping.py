@@ -415,15 +415,19 @@ def until(predicate, timeout=30.0):
     return True
 
 
+def churn(a):
+    """Allocates eight page-sized blocks on stream 1, then frees them all: run by a worker, every
+    block ends free in the worker's cache."""
+    ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
+    for p in ps:
+        a.free(p, stream=1)
+
+
 def test_release_takes_back_the_blocks_another_threads_cache_keeps_before_unmapping():
     with cached_mapped() as a:
         worker = Holder()
         try:
-            def churn():
-                ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
-                for p in ps:
-                    a.free(p, stream=1)
-            worker(churn)                              # 8 pages mapped, every block kept by its cache
+            worker(lambda: churn(a))                   # 8 pages mapped, every block kept by its cache
             s, _ = consistent(a)
             assert s["capacity"] == 8 * PAGE and s["in_use"] == 0 and s["free_blocks"] == 8
             # This thread's request takes one block back from the worker's cache: no page is mapped.
@@ -472,11 +476,7 @@ def test_a_threads_cache_never_makes_the_arena_map_more_pages():
     with cached_mapped() as a:
         worker = Holder()
         try:
-            def churn():
-                ps = [a.allocate(PAGE, stream=1) for _ in range(8)]
-                for p in ps:
-                    a.free(p, stream=1)
-            worker(churn)
+            worker(lambda: churn(a))
             before = a.mapping_counters()
             # 4 pages, on the stream the cached blocks were freed on: the arena has no free block
             # of its own, so it takes the worker's cached blocks back instead of mapping pages.
