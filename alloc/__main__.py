@@ -41,23 +41,21 @@ def devices(argv: list[str], prog: str = "python -m alloc") -> int:
     _no_arguments("devices", "Per CUDA device: memory attributes, unified or not, whether the driver maps pages (expandable), free memory.", argv, prog)
     import torch
 
-    from ._core import ffi, lib
-    from .plugin import loaded_cudart
+    from .plugin import mapping_refusal
     from .unified import FIELDS, device_attributes, is_unified
     if not torch.cuda.is_available():
         print("no CUDA device is visible")
         return 1
     rows = [["device", "name", *FIELDS, "unified", "maps pages", "free / total MiB"]]
     notes = []
-    cudart = loaded_cudart()
     for d in range(torch.cuda.device_count()):
         attrs = device_attributes(d)
         free, total = torch.cuda.mem_get_info(d)
-        maps = lib.ia_vmm_supported(d, ffi.new("char[]", cudart.encode()) if cudart else ffi.NULL) == lib.IA_OK
-        if not maps:  # expandable:auto serves this device's general pools from regions
-            notes.append(f"device {d}: {ffi.string(lib.ia_cuda_last_error()).decode()}")
+        why = mapping_refusal(d)
+        if why is not None:  # expandable:auto serves this device's general pools from regions
+            notes.append(f"device {d}: {why}")
         rows.append([str(d), torch.cuda.get_device_name(d), *(str(attrs[f]) for f in FIELDS),
-                     "yes" if is_unified(attrs) else "no", "yes" if maps else "no",
+                     "yes" if is_unified(attrs) else "no", "yes" if why is None else "no",
                      f"{free >> 20:,} / {total >> 20:,}"])
     print("CUDA devices")
     print(_columns(rows))

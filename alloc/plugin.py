@@ -174,13 +174,21 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     return _Installed(config, scope, None, (strings, c))
 
 
-def _check_mapping(cudart: str | None, devices: int) -> None:
-    """expandable:on: every device's driver must map pages (asked of the driver alone, which
-    creates no CUDA context)."""
+def mapping_refusal(device: int, cudart: str | None = None) -> str | None:
+    """Why the driver cannot map pages for ``device`` (asked of the driver alone, which creates no
+    CUDA context), or None when it can. ``cudart`` defaults to the loaded runtime."""
+    cudart = loaded_cudart() if cudart is None else cudart
     path = ffi.new("char[]", cudart.encode()) if cudart else ffi.NULL
+    if lib.ia_vmm_supported(device, path) == lib.IA_OK:
+        return None
+    return ffi.string(lib.ia_cuda_last_error()).decode()
+
+
+def _check_mapping(cudart: str | None, devices: int) -> None:
+    """expandable:on: every device's driver must map pages."""
     for device in range(devices):
-        if lib.ia_vmm_supported(device, path) != lib.IA_OK:
-            why = ffi.string(lib.ia_cuda_last_error()).decode()
+        why = mapping_refusal(device, cudart)
+        if why is not None:
             raise InstallError(
                 f"expandable:on in {config_mod.ENV_VAR}, but {why}; set expandable:auto (pages where "
                 "the driver maps them, regions elsewhere) or expandable:off (regions, one cudaMalloc each)")

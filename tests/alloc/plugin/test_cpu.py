@@ -131,3 +131,13 @@ def test_shim_builds_for_the_installed_torch(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", "c++ -fno-such-option")
     with pytest.raises(alloc.InstallError, match="building the out-of-memory shim failed"):
         shims.build()
+
+
+def test_a_device_whose_driver_cannot_map_pages_says_why():
+    """`python -m alloc devices` and expandable:on both report the driver's reason; without a CUDA
+    driver on the machine, it is that the driver library cannot be loaded."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("a CUDA driver is here")
+    from alloc.plugin import mapping_refusal
+    why = mapping_refusal(0, cudart="")
+    assert why and "libcuda" in why, why
