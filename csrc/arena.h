@@ -245,7 +245,7 @@ typedef struct ia_arena_options {
    * counts as free, not in use (ia_arena_stats, ia_arena_blocks); it is given back when the
    * thread exits, past the limit, and before the arena grows, refuses a request, allocates at an
    * address or releases regions. The price: until given back it merges with no neighbour, and a
-   * cache hit may hand out a block up to 1/32 larger than best fit would (same size class). */
+   * cache hit may hand out a block up to 3/32 larger than asked (its size class or the next two). */
   size_t thread_cache;
   size_t thread_cache_block;
   /* Growable mode over a backend that maps pages: bytes of the one address range reserved at

@@ -99,15 +99,20 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
-/* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. */
+/* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. inc and
+ * dec are its two halves, for callers that know the sign (the thread caches' fast path). */
+static inline void _ia_stat_inc(ia_stat_t *s, uint64_t n) {
+  s->current += (int64_t)n;
+  s->allocated += (int64_t)n;
+  if (s->current > s->peak) s->peak = s->current;
+}
+static inline void _ia_stat_dec(ia_stat_t *s, uint64_t n) {
+  s->current -= (int64_t)n;
+  s->freed += (int64_t)n;
+}
 static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
-  s->current += n;
-  if (n > 0) {
-    s->allocated += n;
-    if (s->current > s->peak) s->peak = s->current;
-  } else {
-    s->freed -= n;
-  }
+  if (n > 0) _ia_stat_inc(s, (uint64_t)n);
+  else _ia_stat_dec(s, (uint64_t)-n);
 }
 
 /* Adds `d`, changes counted from zero elsewhere (a thread cache's): its peak is the highest its

@@ -10,7 +10,8 @@
  * it without the arena. Freed, it stays lent and is free in the cache, on one class list (the
  * arena's size classes) and remembering the stream it was freed on; the thread's next allocation of
  * that class on that stream takes it back (stream order protects a block reused by its own stream,
- * so no event is needed), larger than asked by at most the class's width (1/32). A block with other
+ * so no event is needed); when the class has none, one of the next two classes up does, so a block
+ * handed out is less than 3/32 larger than asked. A block with other
  * streams recorded on it, a block freed by another thread, and anything the cache cannot serve go
  * to the arena under its lock as before (arena.c).
  *
@@ -39,6 +40,10 @@
 
 /* Blocks looked at on one class list per allocation: the list mixes streams and sizes of a class. */
 #define SCAN_LIMIT 8
+/* Classes above a request's own that it may take a block from when its class has none on its
+ * stream: a block is then less than 3/32 larger than asked (a class of 512 bytes or more is 1/32
+ * wide), where going to the arena would leave that block idle in the cache and split a new one. */
+#define CLASSES_UP 2
 /* Free blocks a cache keeps at most, whatever their bytes: bounds a drain's work under the lock. */
 #define MAX_BLOCKS 1024
 
@@ -129,29 +134,45 @@ static void list_remove(_ia_tcache_t *c, _ia_block_t *b) {
 
 /* A block's share of inactive_split, in the arena's rule (internal.h: _ia_split_free); asked only of
  * arenas of reservations, whose regions never change size, so the arena's lock is not needed. */
-static void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, int64_t sign) {
+static void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
   if (b->size == b->region->size) return;
-  _ia_stat_add(&k->inactive_split, sign);
-  _ia_stat_add(&k->inactive_split_bytes, sign * (int64_t)b->size);
+  if (freed) {
+    _ia_stat_inc(&k->inactive_split, 1);
+    _ia_stat_inc(&k->inactive_split_bytes, b->size);
+  } else {
+    _ia_stat_dec(&k->inactive_split, 1);
+    _ia_stat_dec(&k->inactive_split_bytes, b->size);
+  }
+}
+
+/* A block on `stream` of at least rsize bytes from class list i, looking at SCAN_LIMIT blocks at most. */
+static _ia_block_t *scan(const _ia_tcache_t *c, size_t i, size_t rsize, ia_stream_t stream) {
+  _ia_block_t *b = c->heads[i];
+  for (unsigned looked = 1; b && (b->stream != stream || b->size < rsize); looked++)
+    b = looked < SCAN_LIMIT ? b->free_next : NULL;
+  return b;
 }
 
 _ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted) {
   unsigned fl, sl;
   _ia_class_of(rsize, &fl, &sl);
   if (fl >= c->fl_count) return NULL;
+  /* The request's class, then up to CLASSES_UP above it; the first level's classes are exact
+   * sizes, where a class up is a fixed 16 bytes however small the request: none there. */
+  size_t first = (size_t)fl * IA_SL_COUNT + sl, end = (size_t)c->fl_count * IA_SL_COUNT;
+  size_t last = fl ? first + CLASSES_UP : first;
   _ia_tcache_lock(c);
-  _ia_block_t *b = c->heads[(size_t)fl * IA_SL_COUNT + sl];
-  unsigned looked = 1;
-  while (b && (b->stream != stream || b->size < rsize)) b = looked++ < SCAN_LIMIT ? b->free_next : NULL;
+  _ia_block_t *b = NULL;
+  for (size_t i = first; !b && i <= last && i < end; i++) b = scan(c, i, rsize, stream);
   if (b) {
     list_remove(c, b);
     b->cached = false;
     b->requested = requested;
     _ia_tcache_counts_t *k = &c->counts;
-    _ia_stat_add(&k->in_use, (int64_t)b->size);
-    _ia_stat_add(&k->requested, (int64_t)requested);
-    _ia_stat_add(&k->blocks, 1);
-    if (split_counted) count_split(k, b, -1);
+    _ia_stat_inc(&k->in_use, b->size);
+    _ia_stat_inc(&k->requested, requested);
+    _ia_stat_inc(&k->blocks, 1);
+    if (split_counted) count_split(k, b, false);
   }
   _ia_tcache_unlock(c);
   return b;
@@ -167,10 +188,10 @@ _ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t str
   } else if (b && !b->n_uses) {
     if (stream != IA_STREAM_NONE) b->stream = stream; /* else: the stream it was allocated on */
     _ia_tcache_counts_t *k = &c->counts;
-    _ia_stat_add(&k->in_use, -(int64_t)b->size);
-    _ia_stat_add(&k->requested, -(int64_t)b->requested);
-    _ia_stat_add(&k->blocks, -1);
-    if (split_counted) count_split(k, b, 1);
+    _ia_stat_dec(&k->in_use, b->size);
+    _ia_stat_dec(&k->requested, b->requested);
+    _ia_stat_dec(&k->blocks, 1);
+    if (split_counted) count_split(k, b, true);
     *requested = b->requested;
     b->requested = 0;
     b->cached = true;

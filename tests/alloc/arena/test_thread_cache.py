@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from alloc import Arena, DoubleFree
 from alloc._core import ffi, lib
@@ -71,6 +72,44 @@ def test_a_cached_block_counts_as_free_and_is_reused_on_its_stream():
         assert a.allocate(63 * KiB, S1) not in (p, q)  # another class: from the arena
         a.free(p, S1)
         a.free(q, S1)
+        a.check()
+
+
+def test_a_request_takes_a_cached_block_up_to_two_classes_above_its_own():
+    """A 65 KiB block is in the class from 64 to 66 KiB, below which classes are 1 KiB wide: it
+    serves requests from 62 KiB on (its class and the two below), not 61.75 KiB, and in_use counts
+    the whole block it hands out."""
+    with cached_arena() as a:
+        p = a.allocate(65 * KiB, S1)
+        a.allocate(KiB, S1)  # p's neighbour, so that p stays a block of its own
+        a.free(p, S1)
+        assert a.allocate(62 * KiB, S1) == p
+        assert a.stats()["in_use"] == 66 * KiB and a.stats()["requested"] == 63 * KiB
+        a.free(p, S1)
+        other = a.allocate(61 * KiB + 768, S1)  # three classes below: from the arena
+        assert other != p
+        a.free(other, S1)
+        a.check()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 600) | st.integers(1, 300 * KiB), st.booleans()), min_size=1, max_size=80),
+       st.sampled_from([16, 256]))
+def test_a_cached_block_is_less_than_three_32nds_larger_than_asked(steps, alignment):
+    """Whatever the sequence, a block handed out is the request rounded to the alignment, or less
+    than 3/32 larger for 512 bytes and up (the first level's classes are exact sizes)."""
+    with cached_arena(capacity=8 * MiB, alignment=alignment) as a:
+        live = []
+        for size, free_one in steps:
+            if free_one and live:
+                a.free(live.pop(len(live) // 2), S1)
+            p = a.allocate(size, S1)
+            live.append(p)
+            rsize = -(-size // alignment) * alignment
+            got = next(b.size for b in a.blocks() if b.address == p)
+            assert rsize <= got and (got == rsize if rsize < 512 else 32 * got < 35 * rsize), (size, got)
+        for p in live:
+            a.free(p, S1)
         a.check()
 
 
