@@ -7,7 +7,8 @@
 #                           [indexer-goals] [topk] [replay] [tp]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
-# runs tests-graphs four at a time, each test being its own process anyway)
+# runs tests-graphs, tests-scoped and tests-indexer four at a time; tests-alloc runs one test at a
+# time whatever XDIST says)
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/alloc/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,15 +48,15 @@ setup() {
 for stage in "${@:-setup tests-alloc alloc-bench}"; do
   case "$stage" in
     setup) setup ;;
-    tests-alloc) step gpu_tests_alloc $py -m pytest -q -m gpu -p no:cacheprovider \
-                   tests/alloc/plugin/test_gpu.py tests/alloc/plugin/test_expandable.py tests/alloc/plugin/test_scoped.py \
-                   tests/alloc/plugin/test_memory_stats.py tests/alloc/plugin/test_cpu.py tests/alloc/test_unified.py ;;
+    tests-alloc) step gpu_tests_alloc $py -m pytest -q -rA -m gpu -p no:cacheprovider \
+                   tests/alloc/plugin/test_expandable.py ;;  # one process at a time: some fill the device
     tests-graphs) step gpu_tests_graphs $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} \
-                    tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py ;;
-    tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider \
-                    tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py \
+                    tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py tests/alloc/plugin/test_memory_stats.py ;;
+    tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider ${XDIST:-} \
+                    tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py tests/alloc/plugin/test_cpu.py \
+                    tests/alloc/test_unified.py "tests/arena_tools/test_replay.py::test_gpu_side_by_side" \
                     "tests/indexer/test_prefill.py::test_prefill_same_indices_with_and_without_the_arena" ;;
-    tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider tests/indexer ;;
+    tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} tests/indexer ;;
     alloc-bench)
       step seed_workload $py examples/seed_workload.py --json "$OUT/seed_workload.json"
       step torch_alloc $py benchmarks/alloc/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
