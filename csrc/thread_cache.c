@@ -96,6 +96,11 @@ void _ia_tcache_lock(_ia_tcache_t *c) {
 
 void _ia_tcache_unlock(_ia_tcache_t *c) { atomic_store_explicit(&c->lock, 0, memory_order_release); }
 
+/* The owner's take and put: the uncontended exchange inline, the wait out of line. */
+static inline void lock_mine(_ia_tcache_t *c) {
+  if (__builtin_expect(atomic_exchange_explicit(&c->lock, 1, memory_order_acquire), 0)) _ia_tcache_lock(c);
+}
+
 /* ---- class lists ---------------------------------------------------------------------------- */
 
 static void list_push(_ia_tcache_t *c, _ia_block_t *b) {
@@ -161,7 +166,7 @@ _ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia
    * sizes, where a class up is a fixed 16 bytes however small the request: none there. */
   size_t first = (size_t)fl * IA_SL_COUNT + sl, end = (size_t)c->fl_count * IA_SL_COUNT;
   size_t last = fl ? first + CLASSES_UP : first;
-  _ia_tcache_lock(c);
+  lock_mine(c);
   _ia_block_t *b = NULL;
   for (size_t i = first; !b && i <= last && i < end; i++) b = scan(c, i, rsize, stream);
   if (b) {
@@ -180,7 +185,7 @@ _ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia
 
 _ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, bool split_counted,
                                 size_t *size, size_t *requested, ia_stream_t *freed_on) {
-  _ia_tcache_lock(c);
+  lock_mine(c);
   _ia_block_t *b = _ia_table_find(&c->lent, addr, NULL);
   _ia_tcache_put_t result = IA_TC_PASS;
   if (b && b->cached) {

@@ -1,5 +1,6 @@
-"""What the GPU tests of the allocator share: a child interpreter that prints one JSON line, and
-a piece of ordinary work whose results must not depend on the allocator."""
+"""What the GPU tests of the allocator share: a child interpreter that prints one JSON line, a
+piece of ordinary work whose results must not depend on the allocator, and a simulated unified
+machine's meminfo file."""
 
 import json
 
@@ -33,4 +34,18 @@ outs = {
   "sort": torch.sort(x.flatten())[0][::997].double().sum().item(),
   "cat": torch.cat([x[:100], x[-100:]]).double().sum().item(),
 }
+"""
+
+
+def simulated_meminfo(path, available: str) -> str:
+    """Child code defining update(), which rewrites the meminfo file at `path` (atomically) with
+    `available` bytes, a Python expression, less what the process has taken from the device since
+    free0 was read, as MemAvailable falls on a unified machine; install with meminfo=path."""
+    return f"""
+path = {str(path)!r}
+def update():
+    taken = free0 - torch.cuda.mem_get_info()[0]
+    with open(path + ".tmp", "w") as f:
+        f.write(f"MemTotal: {{128 << 20}} kB\\nMemAvailable: {{(({available}) - taken) >> 10}} kB\\n")
+    os.replace(path + ".tmp", path)
 """

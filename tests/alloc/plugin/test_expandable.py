@@ -6,7 +6,7 @@ and test_graphs.py run over the same mapped pools, since auto maps wherever the 
 
 import pytest
 
-from tests.support.gpu import ORDINARY_WORK, run
+from tests.support.gpu import ORDINARY_WORK, run, simulated_meminfo
 
 pytestmark = pytest.mark.gpu
 
@@ -236,14 +236,7 @@ print(json.dumps({"err": err, "reserved": alloc.memory_reserved()}))
 def test_unified_guard_checks_every_mapping(tmp_path):
     """Forced unified mode over mapped pools: host memory is read before every map, and a map that
     would cross the headroom is refused before the driver is asked."""
-    meminfo = tmp_path / "meminfo"
-    out = run(f"""
-path = {str(meminfo)!r}
-def update():
-    taken = free0 - torch.cuda.mem_get_info()[0]
-    with open(path + ".tmp", "w") as f:
-        f.write(f"MemTotal: {{128 << 20}} kB\\nMemAvailable: {{((4 << 30) - taken) >> 10}} kB\\n")
-    os.replace(path + ".tmp", path)
+    out = run(simulated_meminfo(tmp_path / "meminfo", "4 << 30") + """
 alloc.install(alloc.Config(budget_mb=16, unified="on", host_headroom_mb=0, meminfo=path))
 torch.cuda.init()
 free0 = torch.cuda.mem_get_info()[0]
@@ -256,7 +249,7 @@ try:
 except torch.OutOfMemoryError as e:
     err = str(e)
 sums = [t[::4096].sum().item() for t in held]
-print(json.dumps({{"err": err, "got": len(held), "sums": sums, "expandable": alloc.device_is_expandable(0)}}))
+print(json.dumps({"err": err, "got": len(held), "sums": sums, "expandable": alloc.device_is_expandable(0)}))
 """, env={"INDEXER_ARENA_CONF": ""})
     assert out["expandable"] and "unified memory: mapping" in out["err"], out["err"]
     assert "refused before asking the driver" in out["err"]

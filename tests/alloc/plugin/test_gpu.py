@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.support.gpu import ORDINARY_WORK, run
+from tests.support.gpu import ORDINARY_WORK, run, simulated_meminfo
 
 pytestmark = pytest.mark.gpu
 
@@ -253,14 +253,7 @@ def test_forced_unified_mode_guards_every_reservation(tmp_path):
     rewritten after every step with 13.5 GiB minus what this process took from the device, as
     MemAvailable falls on a real one. The seed workload completes in the arena; asking for more
     than is left fails at once instead of reaching the driver."""
-    meminfo = tmp_path / "meminfo"
-    out = run(f"""
-path = {str(meminfo)!r}
-def update():
-    taken = free0 - torch.cuda.mem_get_info()[0]
-    with open(path + ".tmp", "w") as f:
-        f.write(f"MemTotal: {{128 << 20}} kB\\nMemAvailable: {{(int(13.5 * (1 << 30)) - taken) >> 10}} kB\\n")
-    os.replace(path + ".tmp", path)
+    out = run(simulated_meminfo(tmp_path / "meminfo", "int(13.5 * (1 << 30))") + """
 alloc.install(alloc.Config(budget_mb=512, unified="on", host_headroom_mb=0, meminfo=path))
 torch.cuda.init()  # the arenas are reserved at the first allocation, after this baseline
 free0 = torch.cuda.mem_get_info()[0]
@@ -291,8 +284,8 @@ except torch.OutOfMemoryError:
 got = len(held)
 del held
 ok = torch.ones(10, device="cuda").sum().item()
-print(json.dumps({{"err": err, "got": got, "one_call": one_call, "unified": alloc.device_is_unified(0),
-                  "ok": ok, "tokens": tokens}}))
+print(json.dumps({"err": err, "got": got, "one_call": one_call, "unified": alloc.device_is_unified(0),
+                  "ok": ok, "tokens": tokens}))
 """, env={"INDEXER_ARENA_CONF": ""})
     assert out["unified"] and out["ok"] == 10 and out["tokens"] == 254_000
     assert "unified memory" in out["err"] and "refused before asking the driver" in out["err"]
