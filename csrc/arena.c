@@ -285,6 +285,11 @@ static void after_cached_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t a
 #endif
 }
 
+/* The allocation under the arena's lock, apart from the cache's fast path so that the fast path
+ * saves and restores only what it uses (noinline: the compiler would merge them back). */
+static __attribute__((noinline)) ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream,
+                                                          _ia_tcache_t *c, void **out);
+
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
   if (size == 0) return IA_OK;
@@ -297,6 +302,10 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
       return IA_OK;
     }
   }
+  return alloc_locked(a, size, stream, c, out);
+}
+
+static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
   pthread_mutex_lock(&a->lock);
   if (c) {
     _ia_tcache_lock(c);
@@ -410,6 +419,20 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_f
   _ia_count_split(a, n, bytes);
 }
 
+/* The cache's lock-taking follow-ups and the free under the arena's lock, apart from the fast path
+ * as alloc_locked is. */
+static __attribute__((noinline)) void trim_cache(ia_arena_t *a, _ia_tcache_t *c) {
+  pthread_mutex_lock(&a->lock);
+  _ia_tcache_lock(c);
+  _ia_fold(a, c);
+  _ia_trim(a, c);
+  _ia_tcache_unlock(c);
+  IA_DEBUG_CHECK(a);
+  pthread_mutex_unlock(&a->lock);
+}
+
+static __attribute__((noinline)) ia_status_t free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream);
+
 ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   if (!ptr) return IA_OK;
   _ia_tcache_t *c = a->opts.thread_cache ? my_cache(a, false) : NULL;
@@ -419,15 +442,7 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
     _ia_tcache_put_t kept = _ia_tcache_put(c, (uintptr_t)ptr, stream, !a->page, &size, &requested, &freed_on);
     if (kept == IA_TC_KEPT || kept == IA_TC_KEPT_FULL) {
       after_cached_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
-      if (kept == IA_TC_KEPT_FULL) {
-        pthread_mutex_lock(&a->lock);
-        _ia_tcache_lock(c);
-        _ia_fold(a, c);
-        _ia_trim(a, c);
-        _ia_tcache_unlock(c);
-        IA_DEBUG_CHECK(a);
-        pthread_mutex_unlock(&a->lock);
-      }
+      if (kept == IA_TC_KEPT_FULL) trim_cache(a, c);
       return IA_OK;
     }
     if (kept == IA_TC_DOUBLE_FREE) {
@@ -437,6 +452,10 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
       return IA_ERR_DOUBLE_FREE;
     }
   }
+  return free_locked(a, ptr, stream);
+}
+
+static ia_status_t free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   pthread_mutex_lock(&a->lock);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   ia_status_t st = b ? IA_OK : _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;

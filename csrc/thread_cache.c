@@ -363,7 +363,8 @@ static void forget_orphans(void) {
   }
 }
 
-static _ia_tcache_t *make(ia_arena_t *a, size_t limit, size_t block_max) {
+/* Out of line: inlined, it would make every lookup of _ia_tcache_mine save what it saves. */
+static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a, size_t limit, size_t block_max) {
   if (mine.exiting) return NULL;
   pthread_once(&exit_key_once, make_exit_key);
   /* Without the destructor an exiting thread would strand its blocks: no cache then. */
