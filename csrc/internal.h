@@ -299,7 +299,8 @@ bool _ia_arena_attach_cache(ia_arena_t *arena, _ia_tcache_t *cache);
 void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
 
 /* The fast path; each takes and drops the cache's lock itself. take: a free block of the cache for
- * rsize bytes on `stream` (same stream, same size class), now handed out; NULL when it has none.
+ * rsize bytes on `stream` (same stream; its size class or one of the next two, CLASSES_UP in
+ * thread_cache.c), now handed out; NULL when it has none.
  * put: keeps a block handed out from the cache, freed on `stream`, as free in it. split_counted: the
  * arena counts inactive_split (it maps no pages), so a block of a split region moves it. */
 _ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted);

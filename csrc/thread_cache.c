@@ -11,9 +11,9 @@
  * arena's size classes) and remembering the stream it was freed on; the thread's next allocation of
  * that class on that stream takes it back (stream order protects a block reused by its own stream,
  * so no event is needed); when the class has none, one of the next two classes up does, so a block
- * handed out is less than 3/32 larger than asked. A block with other
- * streams recorded on it, a block freed by another thread, and anything the cache cannot serve go
- * to the arena under its lock as before (arena.c).
+ * handed out is less than 3/32 larger than asked. A block with other streams recorded on it, a
+ * block freed by another thread, and anything the cache cannot serve go to the arena under its
+ * lock as before (arena.c).
  *
  * Giving back. The arena takes free blocks out of a cache (evict, largest first, since large
  * blocks are the least likely to be asked for again at their exact class and hold the most memory)
