@@ -67,8 +67,8 @@ void _ia_assert_fail(const char *cond, const char *file, int line) {
 void _ia_bin_insert(ia_arena_t *a, block_t *b) {
   unsigned fl, sl;
   _ia_class_of(b->size, &fl, &sl);
-  b->fl = (uint16_t)fl;
-  b->sl = (uint16_t)sl;
+  b->fl = (uint8_t)fl;
+  b->sl = (uint8_t)sl;
   b->free_prev = NULL;
   b->free_next = a->bins[fl][sl];
   if (b->free_next) b->free_next->free_prev = b;

@@ -10,8 +10,9 @@ typedef _ia_block_t block_t;
 
 block_t *_ia_block_new(ia_arena_t *a) {
   if (!a->spare_blocks) {
-    _ia_slab_t *s = calloc(1, sizeof *s);
+    _ia_slab_t *s = aligned_alloc(_Alignof(_ia_slab_t), sizeof *s); /* its blocks' alignment */
     if (!s) return NULL;
+    memset(s, 0, sizeof *s);
     s->next = a->slabs;
     a->slabs = s;
     for (int i = IA_SLAB_BLOCKS - 1; i >= 0; i--) {

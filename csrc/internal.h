@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 
 #include "arena.h"
 
@@ -237,29 +238,33 @@ static inline void _ia_class_of(size_t size, unsigned *fl, unsigned *sl) {
 typedef struct _ia_tcache _ia_tcache_t;
 typedef struct _ia_region _ia_region_t;
 
-/* One block of a region, kept in host memory (the region is usually device memory). */
+/* One block of a region, kept in host memory (the region is usually device memory). The fields a
+ * thread cache's take and put touch come first, in one cache line (blocks are 64-byte aligned). */
 typedef struct _ia_block {
   uintptr_t addr;
   size_t size;
   size_t requested;
-  struct _ia_block *phys_prev, *phys_next;
   /* Free in the arena: its class list there. Free in a thread cache: the cache's class list.
    * Unused header: the slab's spare list. */
   struct _ia_block *free_prev, *free_next;
   _ia_region_t *region;
   ia_stream_t stream;
-  uint64_t free_seq;
-  ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
-  uint32_t n_uses, cap_uses;
+  uint32_t n_uses;
+  uint8_t fl, sl;
+  bool is_free; /* in one of the arena's classes */
+  bool cached;  /* lent and free in its cache: handed out by no one */
   /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
-   * arena's lock and the cache's; while lent, the fields above except addr, size, region and the
+   * arena's lock and the cache's; while lent, the fields except addr, size, region and the
    * physical links belong to the cache (its lock), and the arena neither splits nor merges the
    * block (a mapped arena's cut and join rename the region of every block of a stretch). */
   _ia_tcache_t *cache;
-  uint16_t fl, sl;
-  bool is_free; /* in one of the arena's classes */
-  bool cached;  /* lent and free in its cache: handed out by no one */
-} _ia_block_t;
+  struct _ia_block *phys_prev, *phys_next;
+  uint64_t free_seq;
+  ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
+  uint32_t cap_uses;
+} __attribute__((aligned(64))) _ia_block_t;
+_Static_assert(offsetof(_ia_block_t, cache) <= 64 && IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256,
+               "a block's fast-path fields fill its first cache line; its classes fit in bytes");
 
 /* Blocks by address: open addressing, linear probing, backward-shift deletion. The arena's table
  * holds every block it does not have free (live and lent ones); a cache's, the blocks lent to it. */

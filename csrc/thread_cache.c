@@ -107,8 +107,8 @@ static void list_push(_ia_tcache_t *c, _ia_block_t *b) {
   unsigned fl, sl;
   _ia_class_of(b->size, &fl, &sl);
   size_t i = (size_t)fl * IA_SL_COUNT + sl;
-  b->fl = (uint16_t)fl;
-  b->sl = (uint16_t)sl;
+  b->fl = (uint8_t)fl;
+  b->sl = (uint8_t)sl;
   b->free_prev = NULL;
   b->free_next = c->heads[i];
   if (b->free_next) b->free_next->free_prev = b;
