@@ -1,6 +1,6 @@
 """What the GPU tests of the allocator share: a child interpreter that prints one JSON line, a
-piece of ordinary work whose results must not depend on the allocator, and a simulated unified
-machine's meminfo file."""
+piece of ordinary work whose results must not depend on the allocator, the tensors whose device
+cost the pools must match, and a simulated unified machine's meminfo file."""
 
 import json
 
@@ -36,6 +36,19 @@ outs = {
 }
 """
 
+
+# After the pools' first allocation: free0 and held0, then 180 MiB of large tensors (3 and 12 MiB)
+# and 20 MiB of small ones kept live as ts and small, then the statistics as s. What the device
+# paid (free0 less what is free now) must match what the pools hold (the reserved bytes' growth).
+DEVICE_COST_WORK = """\
+torch.empty(1, device="cuda")
+torch.cuda.synchronize()
+free0, held0 = torch.cuda.mem_get_info()[0], alloc.memory_reserved()
+ts = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in [3] * 12 + [12] * 6]
+small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(40)]
+torch.cuda.synchronize()
+s = alloc.memory_stats()
+"""
 
 def simulated_meminfo(path, available: str) -> str:
     """Child code defining update(), which rewrites the meminfo file at `path` (atomically) with

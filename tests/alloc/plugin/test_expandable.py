@@ -6,7 +6,7 @@ and test_graphs.py run over the same mapped pools, since auto maps wherever the 
 
 import pytest
 
-from tests.support.gpu import ORDINARY_WORK, run, simulated_meminfo
+from tests.support.gpu import DEVICE_COST_WORK, ORDINARY_WORK, run, simulated_meminfo
 
 pytestmark = pytest.mark.gpu
 
@@ -68,14 +68,7 @@ def test_mapped_pools_cost_the_device_what_they_map():
     regions): the large tensors fill the pages of one stretch, and the small ones share pages."""
     out = run("""
 alloc.install()
-torch.empty(1, device="cuda")
-torch.cuda.synchronize()
-free0, held0 = torch.cuda.mem_get_info()[0], alloc.memory_reserved()
-ts = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in [3] * 12 + [12] * 6]
-small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(40)]
-torch.cuda.synchronize()
-s = alloc.memory_stats()
-print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
+""" + DEVICE_COST_WORK + """print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
                   "expandable": alloc.device_is_expandable(0), "stretches": s["arena.large.regions"]}))
 """)
     need = (3 * 12 + 12 * 6 + 20) * MiB                 # live bytes, whole pages in both pools

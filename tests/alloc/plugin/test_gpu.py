@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.support.gpu import ORDINARY_WORK, run, simulated_meminfo
+from tests.support.gpu import DEVICE_COST_WORK, ORDINARY_WORK, run, simulated_meminfo
 
 pytestmark = pytest.mark.gpu
 
@@ -143,14 +143,7 @@ def test_general_regions_cost_the_device_what_they_hold():
     Regions, so expandable:off (mapped pools have one stretch each: test_expandable.py)."""
     out = run("""
 alloc.install(alloc.Config(expandable="off"))
-torch.empty(1, device="cuda")
-torch.cuda.synchronize()
-free0, held0 = torch.cuda.mem_get_info()[0], alloc.memory_reserved()
-ts = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in [3] * 12 + [12] * 6]
-small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(40)]
-torch.cuda.synchronize()
-s = alloc.memory_stats()
-print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
+""" + DEVICE_COST_WORK + """print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
                   "regions": s["arena.small.regions"] + s["arena.large.regions"]}))
 """)
     assert out["regions"] >= 14
