@@ -134,10 +134,6 @@ static bool caching(const ia_arena_t *a, size_t size) {
   return a->opts.thread_cache && size <= a->opts.thread_cache_block;
 }
 
-static _ia_tcache_t *my_cache(ia_arena_t *a, bool create) {
-  return _ia_tcache_mine(a, a->opts.thread_cache, a->opts.thread_cache_block, create);
-}
-
 /* ---- public operations ------------------------------------------------------------------------ */
 
 void ia_arena_default_options(ia_arena_options_t *o) {
@@ -273,39 +269,16 @@ static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_st
   _ia_arena_trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
 }
 
-/* The thread-cache fast path's share of what the arena would have done under its lock. */
-static void after_cached_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr, size_t size,
-                            uint64_t bytes, uint64_t requested, ia_stream_t stream) {
-  _ia_totals_live(a->totals, action == IA_TRACE_ALLOC ? 1 : -1, (int64_t)bytes, (int64_t)requested);
-  _ia_arena_trace(a, action, addr, size, stream);
-#if IA_DEBUG
-  pthread_mutex_lock(&a->lock);
-  IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
-#endif
-}
-
-/* The allocation under the arena's lock, apart from the cache's fast path so that the fast path
- * saves and restores only what it uses (noinline: the compiler would merge them back). */
-static __attribute__((noinline)) ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream,
-                                                          _ia_tcache_t *c, void **out);
-
+/* With thread caches, the cache's fast path serves what it can and calls the locked path for the
+ * rest (tail calls both ways, so that the fast path is one function's frame). */
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
   if (size == 0) return IA_OK;
-  _ia_tcache_t *c = NULL;
-  if (caching(a, size) && (c = my_cache(a, true))) {
-    block_t *b = _ia_tcache_take(c, _ia_align_up(size, a->opts.alignment), size, stream, !a->page);
-    if (b) { /* handed out to this caller alone: addr and size are stable to read */
-      after_cached_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
-      *out = (void *)b->addr;
-      return IA_OK;
-    }
-  }
-  return alloc_locked(a, size, stream, c, out);
+  if (caching(a, size)) return _ia_tcache_alloc(a, size, stream, out);
+  return _ia_alloc_locked(a, size, stream, NULL, out);
 }
 
-static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
+ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
   pthread_mutex_lock(&a->lock);
   if (c) {
     _ia_tcache_lock(c);
@@ -419,9 +392,7 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_f
   _ia_count_split(a, n, bytes);
 }
 
-/* The cache's lock-taking follow-ups and the free under the arena's lock, apart from the fast path
- * as alloc_locked is. */
-static __attribute__((noinline)) void trim_cache(ia_arena_t *a, _ia_tcache_t *c) {
+void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c) {
   pthread_mutex_lock(&a->lock);
   _ia_tcache_lock(c);
   _ia_fold(a, c);
@@ -431,31 +402,20 @@ static __attribute__((noinline)) void trim_cache(ia_arena_t *a, _ia_tcache_t *c)
   pthread_mutex_unlock(&a->lock);
 }
 
-static __attribute__((noinline)) ia_status_t free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream);
+ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st) {
+  pthread_mutex_lock(&a->lock);
+  a->stats.bad_frees++;
+  pthread_mutex_unlock(&a->lock);
+  return st;
+}
 
 ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   if (!ptr) return IA_OK;
-  _ia_tcache_t *c = a->opts.thread_cache ? my_cache(a, false) : NULL;
-  if (c) {
-    size_t size, requested;
-    ia_stream_t freed_on;
-    _ia_tcache_put_t kept = _ia_tcache_put(c, (uintptr_t)ptr, stream, !a->page, &size, &requested, &freed_on);
-    if (kept == IA_TC_KEPT || kept == IA_TC_KEPT_FULL) {
-      after_cached_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
-      if (kept == IA_TC_KEPT_FULL) trim_cache(a, c);
-      return IA_OK;
-    }
-    if (kept == IA_TC_DOUBLE_FREE) {
-      pthread_mutex_lock(&a->lock);
-      a->stats.bad_frees++;
-      pthread_mutex_unlock(&a->lock);
-      return IA_ERR_DOUBLE_FREE;
-    }
-  }
-  return free_locked(a, ptr, stream);
+  if (a->opts.thread_cache) return _ia_tcache_free(a, ptr, stream);
+  return _ia_free_locked(a, ptr, stream);
 }
 
-static ia_status_t free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   pthread_mutex_lock(&a->lock);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   ia_status_t st = b ? IA_OK : _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;

@@ -35,10 +35,6 @@ void _ia_block_delete(ia_arena_t *a, block_t *b) {
 
 /* ---- block tables (internal.h) ---------------------------------------------------------------- */
 
-static inline size_t slot_of(const _ia_table_t *t, uintptr_t addr) {
-  return (size_t)(((uint64_t)addr >> IA_ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & t->mask;
-}
-
 static bool table_grow(_ia_table_t *t) {
   size_t old_size = t->slots ? t->mask + 1 : 0;
   size_t new_size = old_size ? old_size * 2 : 1024;
@@ -49,7 +45,7 @@ static bool table_grow(_ia_table_t *t) {
   t->mask = new_size - 1;
   for (size_t i = 0; i < old_size; i++) {
     if (!old[i]) continue;
-    size_t j = slot_of(t, old[i]->addr);
+    size_t j = _ia_table_slot_of(t, old[i]->addr);
     while (slots[j]) j = (j + 1) & t->mask;
     slots[j] = old[i];
   }
@@ -60,23 +56,11 @@ static bool table_grow(_ia_table_t *t) {
 bool _ia_table_insert(_ia_table_t *t, block_t *b) {
   if (!t->slots || (t->count + 1) * 2 > t->mask + 1)
     if (!table_grow(t)) return false;
-  size_t i = slot_of(t, b->addr);
+  size_t i = _ia_table_slot_of(t, b->addr);
   while (t->slots[i]) i = (i + 1) & t->mask;
   t->slots[i] = b;
   t->count++;
   return true;
-}
-
-block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr, size_t *slot) {
-  if (!t->slots) return NULL;
-  for (size_t i = slot_of(t, addr);; i = (i + 1) & t->mask) {
-    block_t *b = t->slots[i];
-    if (!b) return NULL;
-    if (b->addr == addr) {
-      if (slot) *slot = i;
-      return b;
-    }
-  }
 }
 
 /* Backward-shift deletion keeps probe chains intact without tombstones. */
@@ -86,7 +70,7 @@ void _ia_table_remove_slot(_ia_table_t *t, size_t hole) {
     i = (i + 1) & t->mask;
     block_t *b = t->slots[i];
     if (!b) break;
-    size_t home = slot_of(t, b->addr);
+    size_t home = _ia_table_slot_of(t, b->addr);
     bool movable = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
     if (movable) {
       t->slots[hole] = b;

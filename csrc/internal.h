@@ -100,30 +100,37 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
-/* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. inc and
- * dec are its two halves, for callers that know the sign (the thread caches' fast path). */
-static inline void _ia_stat_inc(ia_stat_t *s, uint64_t n) {
-  s->current += (int64_t)n;
-  s->allocated += (int64_t)n;
-  if (s->current > s->peak) s->peak = s->current;
-}
-static inline void _ia_stat_dec(ia_stat_t *s, uint64_t n) {
-  s->current -= (int64_t)n;
-  s->freed += (int64_t)n;
-}
+/* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. */
 static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
-  if (n > 0) _ia_stat_inc(s, (uint64_t)n);
-  else _ia_stat_dec(s, (uint64_t)-n);
+  s->current += n;
+  if (n > 0) {
+    s->allocated += n;
+    if (s->current > s->peak) s->peak = s->current;
+  } else {
+    s->freed -= n;
+  }
 }
 
-/* Adds `d`, changes counted from zero elsewhere (a thread cache's): its peak is the highest its
- * current reached, so the sum's peak is raised by that much over the current it started from. */
-static inline void _ia_stat_fold(ia_stat_t *s, const ia_stat_t *d) {
+/* A thread cache's change to one statistic since the arena last added it in (fold), counted from
+ * zero: its current is allocated - freed, and peak is the most that reached. Two fields move per
+ * change where a statistic moves four. */
+typedef struct {
+  int64_t allocated, freed, peak;
+} _ia_delta_t;
+
+static inline void _ia_delta_inc(_ia_delta_t *d, uint64_t n) {
+  d->allocated += (int64_t)n;
+  if (d->allocated - d->freed > d->peak) d->peak = d->allocated - d->freed;
+}
+static inline void _ia_delta_dec(_ia_delta_t *d, uint64_t n) { d->freed += (int64_t)n; }
+
+/* Adds a cache's change: the sum's peak is raised by the most the change reached over the current
+ * it started from. */
+static inline void _ia_stat_fold(ia_stat_t *s, const _ia_delta_t *d) {
   if (s->current + d->peak > s->peak) s->peak = s->current + d->peak;
-  s->current += d->current;
+  s->current += d->allocated - d->freed;
   s->allocated += d->allocated;
   s->freed += d->freed;
-  if (s->current > s->peak) s->peak = s->current;
 }
 
 /* A quantity summed over several arenas (one device's pools), kept exact with atomics so that a
@@ -274,7 +281,21 @@ typedef struct {
 } _ia_table_t;
 
 bool _ia_table_insert(_ia_table_t *t, _ia_block_t *b); /* false: no memory to grow it */
-_ia_block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr, size_t *slot);
+static inline size_t _ia_table_slot_of(const _ia_table_t *t, uintptr_t addr) {
+  return (size_t)(((uint64_t)addr >> IA_ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & t->mask;
+}
+/* Inline: every free of a thread cache's block looks its address up. */
+static inline _ia_block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr, size_t *slot) {
+  if (!t->slots) return NULL;
+  for (size_t i = _ia_table_slot_of(t, addr);; i = (i + 1) & t->mask) {
+    _ia_block_t *b = t->slots[i];
+    if (!b) return NULL;
+    if (b->addr == addr) {
+      if (slot) *slot = i;
+      return b;
+    }
+  }
+}
 void _ia_table_remove_slot(_ia_table_t *t, size_t slot);
 void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
 
@@ -291,32 +312,33 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
 typedef struct {
   /* Changes since the last fold, counted from zero (a peak is the most the change reached); active
    * blocks and bytes move with blocks and in_use. */
-  ia_stat_t in_use, requested, blocks, inactive_split, inactive_split_bytes;
+  _ia_delta_t in_use, requested, blocks, inactive_split, inactive_split_bytes;
 } _ia_tcache_counts_t;
 
-/* The calling thread's cache for the arena; with `create`, made on first use (NULL when the thread
- * is exiting or memory is short). Caches keep free blocks of up to block_max bytes, limit bytes in
- * all. Finding one takes no lock; making one takes the arena's lock to join its list
- * (_ia_arena_attach_cache), never the registry lock, so it may run under another arena's lock. */
-_ia_tcache_t *_ia_tcache_mine(ia_arena_t *arena, size_t limit, size_t block_max, bool create);
+/* Caches keep free blocks of up to the arena's thread_cache_block bytes, thread_cache bytes in
+ * all. Making a thread's cache, on its first allocation from the arena, takes the arena's lock to
+ * join its list (_ia_arena_attach_cache), never the registry lock, so it may run under another
+ * arena's lock. */
 bool _ia_arena_attach_cache(ia_arena_t *arena, _ia_tcache_t *cache);
 /* Thread exit, under the registry lock: the arena takes back everything the cache holds. */
 void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
 
-/* The fast path; each takes and drops the cache's lock itself. take: a free block of the cache for
- * rsize bytes on `stream` (same stream; its size class or one of the next two, CLASSES_UP in
- * thread_cache.c), now handed out; NULL when it has none.
- * put: keeps a block handed out from the cache, freed on `stream`, as free in it. split_counted: the
- * arena counts inactive_split (it maps no pages), so a block of a split region moves it. */
-_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted);
-typedef enum {
-  IA_TC_KEPT,        /* kept as free in the cache */
-  IA_TC_KEPT_FULL,   /* kept, and the cache now holds more than it should: the arena trims it */
-  IA_TC_DOUBLE_FREE, /* the block is free in the cache already */
-  IA_TC_PASS         /* not the cache's to keep (not lent to it, or other streams recorded on it) */
-} _ia_tcache_put_t;
-_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, bool split_counted,
-                                size_t *size, size_t *requested, ia_stream_t *freed_on);
+/* The fast paths of ia_arena_alloc and ia_arena_free, each with the cache's lock alone, doing all
+ * that the arena's lock would have (the cache's counters, the device totals, the trace), and
+ * calling the arena's locked paths below for what the cache cannot serve.
+ * alloc: a free block of the calling thread's cache for `size` bytes on `stream` (same stream; its
+ * size class or one of the next two, CLASSES_UP in thread_cache.c), made on first use.
+ * free: a block handed out from the calling thread's cache, freed on `stream`, stays in it as free;
+ * a cache past its limit is trimmed. */
+ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out);
+ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream);
+/* arena.c: the same under the arena's lock. c: the calling thread's cache, to lend the block to
+ * (NULL: none). trim_cache: the cache's largest free blocks go back until it is within its limit.
+ * bad_free: counts a refused free and returns st. */
+ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out);
+ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream);
+void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c);
+ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st);
 
 /* The arena's side, under the arena's lock. */
 void _ia_tcache_lock(_ia_tcache_t *c);
@@ -325,7 +347,7 @@ void _ia_tcache_unlock(_ia_tcache_t *c);
 _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c); /* returns the counts and zeroes them */
 bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b); /* false: b stays the arena's */
 void _ia_tcache_unlend(_ia_tcache_t *c, _ia_block_t *b);
-/* A free block of the cache, out of it and no longer lent (the oldest of the largest class), while
+/* A free block of the cache, out of it and no longer lent (the newest of the largest class), while
  * the cache keeps more than its limit, or while it keeps any with `all`; else NULL. */
 _ia_block_t *_ia_tcache_evict(_ia_tcache_t *c, bool all);
 void _ia_tcache_free_info(const _ia_tcache_t *c, uint64_t *bytes, uint64_t *blocks, uint64_t *largest);

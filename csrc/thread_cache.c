@@ -44,21 +44,25 @@
  * stream: a block is then less than 3/32 larger than asked (a class of 512 bytes or more is 1/32
  * wide), where going to the arena would leave that block idle in the cache and split a new one. */
 #define CLASSES_UP 2
-/* Free blocks a cache keeps at most, whatever their bytes: bounds a drain's work under the lock. */
+/* Free blocks a cache keeps at most, whatever their bytes: bounds a drain's work under the lock. A
+ * cache is trimmed back to its limits once it passes them by a quarter (FULL_BLOCKS, full_bytes), so
+ * that a thread hovering at a limit does not take the arena's lock on every free. */
 #define MAX_BLOCKS 1024
+#define FULL_BLOCKS (MAX_BLOCKS + MAX_BLOCKS / 4)
 
 struct _ia_tcache {
   _Atomic int lock;
   ia_arena_t *_Atomic arena; /* NULL once the arena is destroyed */
   _ia_table_t lent;          /* every block lent to the cache, free in it or handed out */
-  size_t limit, block_max;
+  size_t limit, full_bytes, block_max;
   unsigned fl_count;         /* classes 0 .. fl_count - 1 of the first level exist */
+  size_t last_list;          /* fl_count * IA_SL_COUNT - 1 */
   uint64_t free_bytes, free_blocks;
   _ia_tcache_counts_t counts;
   _ia_tcache_t *next;        /* the thread's caches */
   uint64_t fl_map;
   uint32_t *sl_map;          /* [fl] */
-  _ia_block_t **heads, **tails; /* [fl * IA_SL_COUNT + sl]: newest first */
+  _ia_block_t **heads;       /* [fl * IA_SL_COUNT + sl]: newest first */
 };
 
 /* The calling thread's caches, one per arena it allocated from. */
@@ -103,34 +107,32 @@ static inline void lock_mine(_ia_tcache_t *c) {
 
 /* ---- class lists ---------------------------------------------------------------------------- */
 
-static void list_push(_ia_tcache_t *c, _ia_block_t *b) {
-  unsigned fl, sl;
-  _ia_class_of(b->size, &fl, &sl);
-  size_t i = (size_t)fl * IA_SL_COUNT + sl;
-  b->fl = (uint8_t)fl;
-  b->sl = (uint8_t)sl;
-  b->free_prev = NULL;
+/* Singly linked, newest first: taking and keeping touch only the block itself, never a neighbour's
+ * header. A block's class (fl, sl) is set when it is lent and holds while it is: its size does not
+ * change until the arena has it back. */
+
+static inline size_t list_of(const _ia_block_t *b) { return (size_t)b->fl * IA_SL_COUNT + b->sl; }
+
+static inline void list_push(_ia_tcache_t *c, _ia_block_t *b) {
+  size_t i = list_of(b);
   b->free_next = c->heads[i];
-  if (b->free_next) b->free_next->free_prev = b;
-  else c->tails[i] = b;
   c->heads[i] = b;
-  c->fl_map |= 1ull << fl;
-  c->sl_map[fl] |= 1u << sl;
+  c->fl_map |= 1ull << b->fl;
+  c->sl_map[b->fl] |= 1u << b->sl;
   c->free_bytes += b->size;
   c->free_blocks++;
 }
 
-static void list_remove(_ia_tcache_t *c, _ia_block_t *b) {
-  size_t i = (size_t)b->fl * IA_SL_COUNT + b->sl;
-  if (b->free_prev) b->free_prev->free_next = b->free_next;
-  else c->heads[i] = b->free_next;
-  if (b->free_next) b->free_next->free_prev = b->free_prev;
-  else c->tails[i] = b->free_prev;
-  if (!c->heads[i]) {
+/* Takes b out of its list, where it follows prev (NULL: b is the head). */
+static inline void list_unlink(_ia_tcache_t *c, _ia_block_t *b, _ia_block_t *prev) {
+  size_t i = list_of(b);
+  if (prev) {
+    prev->free_next = b->free_next;
+  } else if (!(c->heads[i] = b->free_next)) {
     c->sl_map[b->fl] &= ~(1u << b->sl);
     if (!c->sl_map[b->fl]) c->fl_map &= ~(1ull << b->fl);
   }
-  b->free_prev = b->free_next = NULL;
+  b->free_next = NULL;
   c->free_bytes -= b->size;
   c->free_blocks--;
 }
@@ -139,75 +141,115 @@ static void list_remove(_ia_tcache_t *c, _ia_block_t *b) {
 
 /* A block's share of inactive_split, in the arena's rule (internal.h: _ia_split_free); asked only of
  * arenas of reservations, whose regions never change size, so the arena's lock is not needed. */
-static void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
+static inline void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
   if (b->size == b->region->size) return;
   if (freed) {
-    _ia_stat_inc(&k->inactive_split, 1);
-    _ia_stat_inc(&k->inactive_split_bytes, b->size);
+    _ia_delta_inc(&k->inactive_split, 1);
+    _ia_delta_inc(&k->inactive_split_bytes, b->size);
   } else {
-    _ia_stat_dec(&k->inactive_split, 1);
-    _ia_stat_dec(&k->inactive_split_bytes, b->size);
+    _ia_delta_dec(&k->inactive_split, 1);
+    _ia_delta_dec(&k->inactive_split_bytes, b->size);
   }
 }
 
-/* A block on `stream` of at least rsize bytes from class list i, looking at SCAN_LIMIT blocks at most. */
-static _ia_block_t *scan(const _ia_tcache_t *c, size_t i, size_t rsize, ia_stream_t stream) {
+/* A block on `stream` of at least rsize bytes from class list i, looking at SCAN_LIMIT blocks at
+ * most; *prev is the block before it. */
+static inline _ia_block_t *scan(const _ia_tcache_t *c, size_t i, size_t rsize, ia_stream_t stream,
+                                _ia_block_t **prev) {
   _ia_block_t *b = c->heads[i];
-  for (unsigned looked = 1; b && (b->stream != stream || b->size < rsize); looked++)
+  *prev = NULL;
+  for (unsigned looked = 1; b && (b->stream != stream || b->size < rsize); looked++) {
+    *prev = b;
     b = looked < SCAN_LIMIT ? b->free_next : NULL;
+  }
   return b;
 }
 
-_ia_block_t *_ia_tcache_take(_ia_tcache_t *c, size_t rsize, size_t requested, ia_stream_t stream, bool split_counted) {
+/* What the arena would have done under its lock besides the cache's own counters: the device
+ * totals, the trace, and in a debug build the invariant walk. */
+static inline void after_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr, size_t size,
+                            uint64_t bytes, uint64_t requested, ia_stream_t stream) {
+  _ia_totals_live(a->totals, action == IA_TRACE_ALLOC ? 1 : -1, (int64_t)bytes, (int64_t)requested);
+  _ia_arena_trace(a, action, addr, size, stream);
+#if IA_DEBUG
+  pthread_mutex_lock(&a->lock);
+  IA_DEBUG_CHECK(a);
+  pthread_mutex_unlock(&a->lock);
+#endif
+}
+
+static _ia_tcache_t *make(ia_arena_t *a);
+
+static inline _ia_tcache_t *find_mine(const ia_arena_t *a) {
+  /* Relaxed: a destroyed arena's caches were orphaned before its memory could hold a new arena
+   * that this thread learned of, so a match is this arena's cache. */
+  for (_ia_tcache_t *c = mine.caches; c; c = c->next)
+    if (atomic_load_explicit(&c->arena, memory_order_relaxed) == a) return c;
+  return NULL;
+}
+
+ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
+  _ia_tcache_t *c = find_mine(a);
+  if (__builtin_expect(!c, 0) && !(c = make(a))) return _ia_alloc_locked(a, size, stream, NULL, out);
+  size_t rsize = _ia_align_up(size, a->opts.alignment);
   unsigned fl, sl;
   _ia_class_of(rsize, &fl, &sl);
-  if (fl >= c->fl_count) return NULL;
+  if (fl >= c->fl_count) return _ia_alloc_locked(a, size, stream, c, out);
   /* The request's class, then up to CLASSES_UP above it; the first level's classes are exact
    * sizes, where a class up is a fixed 16 bytes however small the request: none there. */
-  size_t first = (size_t)fl * IA_SL_COUNT + sl, end = (size_t)c->fl_count * IA_SL_COUNT;
-  size_t last = fl ? first + CLASSES_UP : first;
+  size_t first = (size_t)fl * IA_SL_COUNT + sl, last = fl ? first + CLASSES_UP : first;
+  if (last > c->last_list) last = c->last_list;
   lock_mine(c);
-  _ia_block_t *b = NULL;
-  for (size_t i = first; !b && i <= last && i < end; i++) b = scan(c, i, rsize, stream);
-  if (b) {
-    list_remove(c, b);
-    b->cached = false;
-    b->requested = requested;
-    _ia_tcache_counts_t *k = &c->counts;
-    _ia_stat_inc(&k->in_use, b->size);
-    _ia_stat_inc(&k->requested, requested);
-    _ia_stat_inc(&k->blocks, 1);
-    if (split_counted) count_split(k, b, false);
+  _ia_block_t *b = NULL, *prev;
+  for (size_t i = first; !b && i <= last; i++) b = scan(c, i, rsize, stream, &prev);
+  if (!b) {
+    _ia_tcache_unlock(c);
+    return _ia_alloc_locked(a, size, stream, c, out);
   }
+  list_unlink(c, b, prev);
+  b->cached = false;
+  b->requested = size;
+  _ia_tcache_counts_t *k = &c->counts;
+  _ia_delta_inc(&k->in_use, b->size);
+  _ia_delta_inc(&k->requested, size);
+  _ia_delta_inc(&k->blocks, 1);
+  if (!a->page) count_split(k, b, false);
   _ia_tcache_unlock(c);
-  return b;
+  /* Handed out to this caller alone: its fields are stable to read. */
+  after_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
+  *out = (void *)b->addr;
+  return IA_OK;
 }
 
-_ia_tcache_put_t _ia_tcache_put(_ia_tcache_t *c, uintptr_t addr, ia_stream_t stream, bool split_counted,
-                                size_t *size, size_t *requested, ia_stream_t *freed_on) {
+ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  _ia_tcache_t *c = find_mine(a);
+  if (!c) return _ia_free_locked(a, ptr, stream);
   lock_mine(c);
-  _ia_block_t *b = _ia_table_find(&c->lent, addr, NULL);
-  _ia_tcache_put_t result = IA_TC_PASS;
-  if (b && b->cached) {
-    result = IA_TC_DOUBLE_FREE;
-  } else if (b && !b->n_uses) {
-    if (stream != IA_STREAM_NONE) b->stream = stream; /* else: the stream it was allocated on */
-    _ia_tcache_counts_t *k = &c->counts;
-    _ia_stat_dec(&k->in_use, b->size);
-    _ia_stat_dec(&k->requested, b->requested);
-    _ia_stat_dec(&k->blocks, 1);
-    if (split_counted) count_split(k, b, true);
-    *requested = b->requested;
-    b->requested = 0;
-    b->cached = true;
-    list_push(c, b);
-    *size = b->size;
-    *freed_on = b->stream;
-    bool full = c->free_bytes > c->limit + c->limit / 4 || c->free_blocks > MAX_BLOCKS + MAX_BLOCKS / 4;
-    result = full ? IA_TC_KEPT_FULL : IA_TC_KEPT;
+  _ia_block_t *b = _ia_table_find(&c->lent, (uintptr_t)ptr, NULL);
+  if (!b || b->n_uses) { /* not lent to this cache, or other streams recorded on it */
+    _ia_tcache_unlock(c);
+    return _ia_free_locked(a, ptr, stream);
   }
+  if (b->cached) {
+    _ia_tcache_unlock(c);
+    return _ia_bad_free(a, IA_ERR_DOUBLE_FREE);
+  }
+  if (stream != IA_STREAM_NONE) b->stream = stream; /* else: the stream it was allocated on */
+  uint64_t size = b->size, requested = b->requested;
+  _ia_tcache_counts_t *k = &c->counts;
+  _ia_delta_dec(&k->in_use, size);
+  _ia_delta_dec(&k->requested, requested);
+  _ia_delta_dec(&k->blocks, 1);
+  if (!a->page) count_split(k, b, true);
+  b->requested = 0;
+  b->cached = true;
+  ia_stream_t freed_on = b->stream;
+  list_push(c, b);
+  bool full = c->free_bytes > c->full_bytes || c->free_blocks > FULL_BLOCKS;
   _ia_tcache_unlock(c);
-  return result;
+  after_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
+  if (full) _ia_trim_cache(a, c);
+  return IA_OK;
 }
 
 /* ---- the arena's side (its lock and the cache's held) --------------------------------------- */
@@ -220,6 +262,11 @@ _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c) {
 
 bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b) {
   if (b->size > c->block_max || !_ia_table_insert(&c->lent, b)) return false;
+  unsigned fl, sl;
+  _ia_class_of(b->size, &fl, &sl);
+  b->fl = (uint8_t)fl;
+  b->sl = (uint8_t)sl;
+  b->free_prev = b->free_next = NULL;
   b->cache = c;
   b->cached = false;
   return true;
@@ -234,8 +281,8 @@ _ia_block_t *_ia_tcache_evict(_ia_tcache_t *c, bool all) {
   if (!c->fl_map || (!all && c->free_bytes <= c->limit && c->free_blocks <= MAX_BLOCKS)) return NULL;
   unsigned fl = _ia_log2_floor(c->fl_map);
   unsigned sl = _ia_log2_floor(c->sl_map[fl]);
-  _ia_block_t *b = c->tails[(size_t)fl * IA_SL_COUNT + sl]; /* the oldest of the largest class */
-  list_remove(c, b);
+  _ia_block_t *b = c->heads[(size_t)fl * IA_SL_COUNT + sl]; /* the newest of the largest class */
+  list_unlink(c, b, NULL);
   _ia_table_remove(&c->lent, b);
   b->cache = NULL;
   b->cached = false;
@@ -272,7 +319,6 @@ void _ia_tcache_orphan(_ia_tcache_t *c) {
   free(c->lent.slots);
   c->lent = (_ia_table_t){0};
   memset(c->heads, 0, (size_t)c->fl_count * IA_SL_COUNT * sizeof *c->heads);
-  memset(c->tails, 0, (size_t)c->fl_count * IA_SL_COUNT * sizeof *c->tails);
   memset(c->sl_map, 0, c->fl_count * sizeof *c->sl_map);
   c->fl_map = c->free_bytes = c->free_blocks = 0;
   atomic_store(&c->arena, NULL);
@@ -294,21 +340,19 @@ bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len) {
       bool bit = (c->sl_map[fl] >> sl) & 1;
       CHECK(bit == (c->heads[i] != NULL) && ((c->fl_map >> fl) & 1) == (c->sl_map[fl] != 0),
             "a thread cache's bitmap disagrees with its class %u/%u", fl, sl);
-      const _ia_block_t *prev = NULL;
-      for (const _ia_block_t *b = c->heads[i]; b; prev = b, b = b->free_next) {
+      for (const _ia_block_t *b = c->heads[i]; b; b = b->free_next) {
         unsigned bfl, bsl;
         _ia_class_of(b->size, &bfl, &bsl);
         CHECK(b->cache == c && b->cached && !b->is_free && !b->n_uses && !b->requested,
               "block %#lx on a thread cache's list is not free in that cache", (unsigned long)b->addr);
-        CHECK(bfl == fl && bsl == sl && b->size <= c->block_max, "block %#lx filed in the wrong class of a "
-              "thread cache", (unsigned long)b->addr);
-        CHECK(b->free_prev == prev, "broken list links at %#lx in a thread cache", (unsigned long)b->addr);
+        CHECK(bfl == fl && bsl == sl && b->fl == fl && b->sl == sl && b->size <= c->block_max,
+              "block %#lx filed in the wrong class of a thread cache", (unsigned long)b->addr);
+        CHECK(!b->free_prev, "block %#lx on a thread cache's list has a back link", (unsigned long)b->addr);
         CHECK(_ia_tcache_holds(c, b), "free block %#lx of a thread cache is missing from its table",
               (unsigned long)b->addr);
         bytes += b->size;
         blocks++;
       }
-      CHECK(c->tails[i] == prev, "a thread cache's class %u/%u ends at the wrong block", fl, sl);
     }
   CHECK(bytes == c->free_bytes && blocks == c->free_blocks, "a thread cache's free counters are off");
   size_t lent = 0;
@@ -363,8 +407,9 @@ static void forget_orphans(void) {
   }
 }
 
-/* Out of line: inlined, it would make every lookup of _ia_tcache_mine save what it saves. */
-static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a, size_t limit, size_t block_max) {
+/* Out of line: inlined, it would make the fast paths save registers they do not need. */
+static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a) {
+  size_t limit = a->opts.thread_cache, block_max = a->opts.thread_cache_block;
   if (mine.exiting) return NULL;
   pthread_once(&exit_key_once, make_exit_key);
   /* Without the destructor an exiting thread would strand its blocks: no cache then. */
@@ -373,13 +418,14 @@ static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a, size_t limit,
   unsigned fl, sl;
   _ia_class_of(block_max, &fl, &sl);
   size_t lists = (size_t)(fl + 1) * IA_SL_COUNT;
-  _ia_tcache_t *c = calloc(1, sizeof *c + 2 * lists * sizeof(_ia_block_t *) + (fl + 1) * sizeof(uint32_t));
+  _ia_tcache_t *c = calloc(1, sizeof *c + lists * sizeof(_ia_block_t *) + (fl + 1) * sizeof(uint32_t));
   if (!c) return NULL;
   c->heads = (_ia_block_t **)(c + 1);
-  c->tails = c->heads + lists;
-  c->sl_map = (uint32_t *)(c->tails + lists);
+  c->sl_map = (uint32_t *)(c->heads + lists);
   c->fl_count = fl + 1;
+  c->last_list = lists - 1;
   c->limit = limit;
+  c->full_bytes = limit + limit / 4;
   c->block_max = block_max;
   atomic_store(&c->arena, a);
   if (!_ia_arena_attach_cache(a, c)) {
@@ -389,12 +435,4 @@ static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a, size_t limit,
   c->next = mine.caches;
   mine.caches = c;
   return c;
-}
-
-_ia_tcache_t *_ia_tcache_mine(ia_arena_t *a, size_t limit, size_t block_max, bool create) {
-  /* Relaxed: a destroyed arena's caches were orphaned before its memory could hold a new arena
-   * that this thread learned of, so a match is this arena's cache. */
-  for (_ia_tcache_t *c = mine.caches; c; c = c->next)
-    if (atomic_load_explicit(&c->arena, memory_order_relaxed) == a) return c;
-  return create ? make(a, limit, block_max) : NULL;
 }
