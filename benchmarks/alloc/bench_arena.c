@@ -11,7 +11,10 @@
  * before in the process (the arena's own bookkeeping included), which would bias the reference;
  * benchmarks/alloc/bench_arena.py runs the processes in a rotated order.
  * usage: bench_arena arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
- *        prints one line "allocator threads ns_per_pair" per repeat. */
+ *        prints one line "allocator threads ns_per_pair" per repeat;
+ *        bench_arena clock
+ *        prints the core's clock in GHz, timed over a chain of dependent register additions (one a
+ *        cycle), or "-" where that cannot be measured, so that hosts can be compared in cycles. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,13 +98,46 @@ static void *run(void *arg) {
   return NULL;
 }
 
+/* GHz: additions per ns over a chain of additions each waiting for the one before. The addend is a
+ * register the compiler cannot see into: some cores fold additions of constants at renaming, which
+ * would count several as one cycle. */
+static int print_clock(void) {
+#if defined(__x86_64__) || defined(__aarch64__)
+  const long turns = 25000000; /* 16 additions a turn */
+  unsigned long x = 0, one = 1;
+  __asm__ volatile("" : "+r"(one));
+  double best = 0;
+  for (int rep = 0; rep < 5; rep++) {
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long i = 0; i < turns; i++) {
+#if defined(__x86_64__)
+      __asm__ volatile(".rept 16\n\tadd %1, %0\n\t.endr" : "+r"(x) : "r"(one));
+#else
+      __asm__ volatile(".rept 16\n\tadd %0, %0, %1\n\t.endr" : "+r"(x) : "r"(one));
+#endif
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double ns = (double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec);
+    if (16.0 * (double)turns / ns > best) best = 16.0 * (double)turns / ns;
+  }
+  /* No core of today runs past 7 GHz: a higher figure means the chain was not serial after all. */
+  if (best > 7.0) printf("clock -\n");
+  else printf("clock %.3f\n", best);
+#else
+  printf("clock -\n");
+#endif
+  return 0;
+}
+
 int main(int argc, char **argv) {
+  if (argc == 2 && !strcmp(argv[1], "clock")) return print_clock();
   int use_arena = -1;
   for (int k = 0; argc >= 5 && k < KINDS; k++)
     if (!strcmp(argv[1], names[k])) use_arena = k;
   if ((argc != 5 && argc != 6) || use_arena < 0) {
-    fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n",
-            argv[0]);
+    fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n"
+            "       %s clock\n", argv[0], argv[0]);
     return 2;
   }
   int threads = atoi(argv[2]);

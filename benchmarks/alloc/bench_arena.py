@@ -7,6 +7,9 @@ whether the goals of issue 19 are met (they are about the arena with thread cach
     python benchmarks/alloc/bench_arena.py [--pairs N] [--repeats R] [--thread-cache-mib M] [--json FILE]
                                      [--require-goals]
 
+Hosts differ in clock, so the table also gives the arena's cycles per pair: its nanoseconds times
+the clock that a chain of dependent additions runs at (printed with the machine).
+
 Goals: one thread at most 50 ns per pair; four threads at most 2.0x glibc's time per pair. Each
 repeat runs the three allocators, each in a process of its own (glibc's heap adapts to whatever
 ran before it in a process), in an order rotated every repeat, so that running first or last
@@ -77,6 +80,11 @@ def goals(results: list[dict]) -> list[dict]:
     return out
 
 
+def clock_ghz(exe: pathlib.Path) -> float | None:
+    word = subprocess.run([str(exe), "clock"], check=True, capture_output=True, text=True).stdout.split()[1]
+    return None if word == "-" else float(word)
+
+
 def measure(exe: pathlib.Path, threads: int, args) -> dict:
     """Every allocator's median over the repeats, each run a process of its own, the order
     rotated every repeat."""
@@ -101,18 +109,22 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(pathlib.Path(tmp))
+        ghz = clock_ghz(exe)
         results = [measure(exe, threads, args) for threads in (1, 4)]
     harness.table(f"alloc+free pair, median of {args.repeats} runs of {args.pairs:,} pairs per thread",
                   ("threads", f"arena ns/pair ({args.thread_cache_mib} MiB thread caches)",
                    "arena ns/pair (no caches)", "plugin general pools ns/pair", "glibc malloc ns/pair",
-                   "arena / glibc"),
+                   "arena / glibc", "arena cycles/pair"),
                   [(str(r["threads"]), f"{r['arena_ns']:.1f}", f"{r['locked_ns']:.1f}", f"{r['plugin_ns']:.1f}",
-                    f"{r['malloc_ns']:.1f}", f"{r['arena_ns'] / r['malloc_ns']:.2f}") for r in results])
+                    f"{r['malloc_ns']:.1f}", f"{r['arena_ns'] / r['malloc_ns']:.2f}",
+                    f"{r['arena_ns'] * ghz:.0f}" if ghz else "-")
+                   for r in results])
     checked = goals(results)
     for g in checked:
         harness.goal(g["goal"], g["met"], g["shown"])
-    m = machine()
-    print(f"machine: {m['cpu']}, {m['cores']} cores; compiler: {m['compiler']}")
+    m = {**machine(), "clock_ghz": ghz}
+    clock = f"{ghz:.2f} GHz (dependent additions)" if ghz else "not measured"
+    print(f"machine: {m['cpu']}, {m['cores']} cores, clock {clock}; compiler: {m['compiler']}")
     if m["cores"] and m["cores"] < 4:
         print(f"note: {m['cores']} cores, so 4 threads oversubscribe the machine (every allocator waits for a core)")
     harness.write_json(args.json, {"machine": m, "thread_cache_mib": args.thread_cache_mib,

@@ -167,3 +167,25 @@ def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
     assert all(r["same_sets"] for r in results)
     assert any(r["config"] == "default" and r["paths"]["sampled"] > 0 for r in results)
     assert all(r["paths"]["sampled"] == 0 for r in results if r["config"].startswith("two"))
+
+
+def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
+    """The arena microbenchmark end to end at toy sizes: its C program builds from the tree, every
+    allocator runs at one and four threads, the goals are judged on the figures it reports, and
+    the clock is a plausible one (or none)."""
+    out = tmp_path / "arena.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc" / "bench_arena.py"),
+                           "--pairs", "4000", "--repeats", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [r["threads"] for r in res["results"]] == [1, 4]
+    for r in res["results"]:
+        assert all(len(r["runs"][name]) == 2 and min(r["runs"][name]) > 0
+                   for name in ("arena", "locked", "plugin", "malloc"))
+    one, four = res["results"]
+    assert [g["met"] for g in res["goals"]] == [one["arena_ns"] <= 50.0,
+                                               four["arena_ns"] / four["malloc_ns"] <= 2.0]
+    ghz = res["machine"]["clock_ghz"]
+    assert ghz is None or 0.3 < ghz <= 7.0
+    assert "goal: 1 thread: arena <= 50 ns per pair" in proc.stdout
