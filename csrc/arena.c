@@ -162,7 +162,7 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
     ia_backend_destroy(backend);
     return IA_ERR_INVALID_ARGUMENT;
   }
-  ia_arena_t *a = calloc(1, sizeof *a);
+  ia_arena_t *a = _ia_zalloc_lines(sizeof *a);
   if (!a) {
     ia_backend_destroy(backend);
     return IA_ERR_NO_HOST_MEMORY;

@@ -40,7 +40,7 @@ static ia_status_t reserve_aligned(ia_arena_t *a, size_t size, size_t align, voi
 ia_status_t _ia_region_add(ia_arena_t *a, size_t size) {
   size_t align = a->opts.alignment;
   if (size > SIZE_MAX - align) return IA_ERR_BACKEND_OUT_OF_MEMORY;
-  region_t *r = calloc(1, sizeof *r);
+  region_t *r = _ia_zalloc_lines(sizeof *r);
   block_t *b = _ia_block_new(a);
   if (!r || !b) {
     free(r);

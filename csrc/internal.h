@@ -5,6 +5,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "arena.h"
 
@@ -99,6 +101,16 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
+
+/* Zeroed host memory that starts and ends on cache-line boundaries, for what one thread writes
+ * while other threads' cores read what would sit beside it (arenas, thread caches, regions). */
+#define IA_CACHE_LINE 64
+static inline void *_ia_zalloc_lines(size_t size) {
+  size = _ia_align_up(size, IA_CACHE_LINE);
+  void *p = aligned_alloc(IA_CACHE_LINE, size);
+  if (p) memset(p, 0, size);
+  return p;
+}
 
 /* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. */
 static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
@@ -269,8 +281,8 @@ typedef struct _ia_block {
   uint64_t free_seq;
   ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
   uint32_t cap_uses;
-} __attribute__((aligned(64))) _ia_block_t;
-_Static_assert(offsetof(_ia_block_t, cache) <= 64 && IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256,
+} __attribute__((aligned(IA_CACHE_LINE))) _ia_block_t;
+_Static_assert(offsetof(_ia_block_t, cache) <= IA_CACHE_LINE && IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256,
                "a block's fast-path fields fill its first cache line; its classes fit in bytes");
 
 /* Blocks by address: open addressing, linear probing, backward-shift deletion. The arena's table
@@ -398,12 +410,28 @@ typedef struct {
 } _ia_stream_state_t;
 
 struct ia_arena {
-  pthread_mutex_t lock;
+  /* Set up once (at creation, joining a device's group, or when tracing starts or stops) and read
+   * by every thread's fast path without the lock: on cache lines of their own, so that the lock and
+   * what it guards, which any thread's locked operation writes, do not take these lines from the
+   * other threads' cores. */
   ia_arena_options_t opts;
   ia_backend_t *backend;
+  uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
+  ia_totals_t *totals;
+  const _Atomic int *captures; /* the device's capture count, when it has one */
+  _ia_region_hook_t on_region;
+  void *on_region_ctx;
+  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
+  ia_trace_t *_Atomic trace;
+  _Atomic uint64_t trace_tag;
+  /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */
+  size_t page;
+  uintptr_t range_base;
+  size_t range_size;
+
+  _Alignas(IA_CACHE_LINE) pthread_mutex_t lock;
 
   _ia_region_t *regions; /* oldest first: a region's index in reports stays put as others come */
-  uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
 
   uint64_t fl_bitmap;
   uint32_t sl_bitmap[IA_FL_COUNT];
@@ -420,19 +448,6 @@ struct ia_arena {
 
   _ia_tcache_t **caches; /* the threads' caches of this arena */
   size_t n_caches, cap_caches;
-
-  ia_totals_t *totals;
-  const _Atomic int *captures; /* the device's capture count, when it has one */
-  _ia_region_hook_t on_region;
-  void *on_region_ctx;
-  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
-  ia_trace_t *_Atomic trace;
-  _Atomic uint64_t trace_tag;
-
-  /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */
-  size_t page;
-  uintptr_t range_base;
-  size_t range_size;
 
   ia_stats_t stats;
 };

@@ -418,7 +418,7 @@ static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a) {
   unsigned fl, sl;
   _ia_class_of(block_max, &fl, &sl);
   size_t lists = (size_t)(fl + 1) * IA_SL_COUNT;
-  _ia_tcache_t *c = calloc(1, sizeof *c + lists * sizeof(_ia_block_t *) + (fl + 1) * sizeof(uint32_t));
+  _ia_tcache_t *c = _ia_zalloc_lines(sizeof *c + lists * sizeof(_ia_block_t *) + (fl + 1) * sizeof(uint32_t));
   if (!c) return NULL;
   c->heads = (_ia_block_t **)(c + 1);
   c->sl_map = (uint32_t *)(c->heads + lists);
