@@ -233,6 +233,25 @@ def test_a_request_the_arena_cannot_serve_takes_back_only_what_it_needs():
         a.check()
 
 
+def test_a_cache_past_its_limit_gives_back_its_largest_blocks_first():
+    """thread_cache 2 MiB: a cache keeping more than a quarter over that is trimmed back to it,
+    largest class first. What it gave back serves another stream from the arena; what it kept
+    serves its own stream."""
+    with cached_arena(8 * MiB, thread_cache=2 * MiB) as a:
+        large = [a.allocate(MiB, S1) for _ in range(2)]
+        small = [a.allocate(256 * KiB, S1) for _ in range(3)]
+        a.allocate(KiB, S1)  # ends the run of blocks, so that none merges with the arena's rest
+        for p in large + small:
+            a.free(p, S1)  # 2.75 MiB after the last: one 1 MiB block goes back, 1.75 MiB stay
+        back = a.allocate(MiB, S2)
+        assert back in large
+        assert a.allocate(256 * KiB, S2) not in small  # still cached, for S1 alone
+        kept = [p for p in large if p != back]
+        assert a.allocate(MiB, S1) == kept[0]
+        assert sorted(a.allocate(256 * KiB, S1) for _ in range(3)) == sorted(small)
+        a.check()
+
+
 def test_cached_blocks_never_make_a_growable_arena_grow():
     with cached_arena(0, growable=True, region_min=2 * MiB) as a:
         ps = [a.allocate(512 * KiB) for _ in range(4)]  # one 2 MiB region, full
