@@ -96,3 +96,55 @@ class ArenaMachine(RuleBasedStateMachine):
 
 TestArenaMachine = ArenaMachine.TestCase
 TestArenaMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+
+
+class CachedArenaMachine(ArenaMachine):
+    """The same sequences with a thread cache (csrc/thread_cache.c) small enough to be trimmed
+    often. A cached block is free but merges with nothing, so the free blocks are no longer the
+    gaps; what still holds: an allocation succeeds exactly when a gap of the live blocks holds it
+    (the arena takes cached blocks back before it refuses), a block handed out is the request
+    rounded, or less than 3/32 over it from 512 bytes on, and the counters and the used blocks
+    match the model. Streams 0 to 3 on one thread make the cache scan past other streams' blocks
+    and take blocks out of the middle of its lists."""
+
+    def __init__(self):
+        RuleBasedStateMachine.__init__(self)
+        self.arena = Arena(CAPACITY, alignment=ALIGN, thread_cache=8 << 10, thread_cache_block=4 << 10)
+        self.base = self.arena.regions()[0].base
+        self.live: dict[int, int] = {}
+        self.streams = {}
+        self.freed: list[int] = []
+
+    @rule(target=ArenaMachine.blocks, size=st.one_of(st.integers(1, 4096), st.integers(1, CAPACITY + 64)),
+          stream=st.integers(0, 3))
+    def allocate(self, size, stream):
+        rounded = -(-size // ALIGN) * ALIGN
+        fits = any(g >= rounded for g in gaps(self.live, self.base))
+        try:
+            p = self.arena.allocate(size, stream)
+        except ArenaOutOfMemory:
+            assert not fits, f"refused {rounded} bytes with gaps {gaps(self.live, self.base)}"
+            return None
+        assert fits
+        held = {b.address: b.size for b in self.arena.blocks() if b.state == "used"}[p]
+        assert rounded <= held and (held == rounded or (rounded >= 512 and held * 32 < rounded * 35))
+        assert p % ALIGN == 0 and self.base <= p and p + held <= self.base + CAPACITY
+        for start, length in self.live.items():
+            assert p + held <= start or start + length <= p, "overlaps a live block"
+        self.live[p] = held
+        self.streams[p] = stream
+        return p
+
+    @invariant()
+    def matches_model(self):
+        self.arena.check()
+        s = self.arena.stats()
+        assert s["in_use"] == sum(self.live.values())
+        assert s["blocks"] == len(self.live)
+        assert s["free_bytes"] == CAPACITY - s["in_use"]
+        used = [(b.address, b.size) for b in self.arena.blocks() if b.state == "used"]
+        assert dict(used) == self.live
+
+
+TestCachedArenaMachine = CachedArenaMachine.TestCase
+TestCachedArenaMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
