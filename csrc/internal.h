@@ -124,8 +124,9 @@ static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
 }
 
 /* A thread cache's change to one statistic since the arena last added it in (fold), counted from
- * zero: its current is allocated - freed, and peak is the most that reached. Two fields move per
- * change where a statistic moves four. */
+ * zero: its current is allocated - freed, and peak is the most that reached. An increase moves
+ * allocated (and the peak when passed), a decrease freed alone: one field fewer each than a
+ * statistic, which keeps its current too. */
 typedef struct {
   int64_t allocated, freed, peak;
 } _ia_delta_t;
