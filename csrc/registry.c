@@ -105,6 +105,20 @@ void _ia_registry_hook(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size
   pthread_mutex_unlock(&reg.lock);
 }
 
+/* The number of t's n entries whose base is at most p: a binary search without branches on the
+ * entries (the hardware cannot predict which half a freed pointer falls in, and every free of the
+ * process looks here). */
+static size_t count_at_or_before(const table_t *t, size_t n, uintptr_t p) {
+  if (n == 0) return 0;
+  const entry_t *at = t->items;
+  while (n > 1) {
+    size_t half = n / 2;
+    at = LOAD(at[half].base) <= p ? at + half : at;
+    n -= half;
+  }
+  return (size_t)(at - t->items) + (LOAD(at->base) <= p);
+}
+
 ia_arena_t *_ia_registry_find(const void *ptr, const _ia_owner_t **owner) {
   uintptr_t p = (uintptr_t)ptr;
   for (;;) {
@@ -116,7 +130,7 @@ ia_arena_t *_ia_registry_find(const void *ptr, const _ia_owner_t **owner) {
     if (t) {
       size_t n = LOAD(t->count); /* never past t->cap: a table's count is written for that table */
       /* Entries at or before p, latest base first: the first that holds p is the innermost. */
-      for (size_t i = position(t, n, p, 0); i > 0 && !found; i--)
+      for (size_t i = count_at_or_before(t, n, p); i > 0 && !found; i--)
         if (p < LOAD(t->items[i - 1].end)) {
           found = LOAD(t->items[i - 1].arena);
           found_owner = LOAD(t->items[i - 1].owner);

@@ -161,6 +161,20 @@ def test_random_operation_sequences_under_address_and_undefined_behaviour_saniti
         assert done.returncode == 0 and done.stdout.strip() == "ok", f"seed {seed}: {done.stdout}{done.stderr[-3000:]}"
 
 
+def test_the_region_registry_answers_the_innermost_region_as_a_brute_force_search_does(tmp_path):
+    """tests/support/stress/registry_check.c: random sets of regions, nested ones among them, added
+    and removed at random; after every change, every region's edges and random addresses are
+    looked up and compared with a search over all regions (under the sanitizers). It fails with a
+    binary search that stops one entry short."""
+    exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",
+                                          "-fno-sanitize-recover=undefined"], harness="registry_check")
+    if built.returncode != 0:
+        pytest.skip(f"this toolchain cannot build with the sanitizers: {built.stderr[-300:]}")
+    for seed in range(1, 4):
+        done = subprocess.run([str(exe), str(seed), "1500"], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", f"seed {seed}: {done.stdout}{done.stderr[-3000:]}"
+
+
 def test_python_threads_hand_blocks_to_each_other():
     capacity = 8 << 20
     handoff: list[tuple[int, int, int]] = []
