@@ -11,7 +11,7 @@ Hosts differ in clock, so the table also gives the arena's cycles per pair: its 
 the clock that a chain of dependent additions runs at (printed with the machine).
 
 Goals: one thread at most 50 ns per pair; four threads at most 2.0x glibc's time per pair. Each
-repeat runs the three allocators, each in a process of its own (glibc's heap adapts to whatever
+repeat runs the four allocators, each in a process of its own (glibc's heap adapts to whatever
 ran before it in a process), in an order rotated every repeat, so that running first or last
 favours none. On a machine with fewer than four cores, four threads oversubscribe it: every figure
 then includes time spent waiting for a core, glibc's too.
