@@ -57,6 +57,17 @@ typedef _ia_block_t block_t;
 /* Blocks looked at per class list before settling; bounds the search whatever the list length. */
 #define SCAN_LIMIT 16
 
+/* Rounds of eight pauses before the mutex may sleep (internal.h: _ia_arena_lock). */
+#define LOCK_SPIN_ROUNDS 50
+
+void _ia_arena_lock_contended(ia_arena_t *a) {
+  for (int round = 0; round < LOCK_SPIN_ROUNDS; round++) {
+    for (int k = 0; k < 8; k++) _ia_cpu_relax();
+    if (pthread_mutex_trylock(&a->lock) == 0) return;
+  }
+  pthread_mutex_lock(&a->lock);
+}
+
 void _ia_assert_fail(const char *cond, const char *file, int line) {
   fprintf(stderr, "indexer-arena: internal invariant broken: %s (%s:%d)\n", cond, file, line);
   abort();
@@ -207,14 +218,14 @@ void ia_arena_destroy(ia_arena_t *a) {
    * cache's arena pointer; the thread frees the cache later. */
   if (a->opts.thread_cache) {
     _ia_tcache_registry_lock();
-    pthread_mutex_lock(&a->lock);
+    _ia_arena_lock(a);
     for (size_t i = 0; i < a->n_caches; i++) {
       _ia_tcache_lock(a->caches[i]);
       _ia_tcache_orphan(a->caches[i]);
       _ia_tcache_unlock(a->caches[i]);
     }
     a->n_caches = 0;
-    pthread_mutex_unlock(&a->lock);
+    _ia_arena_unlock(a);
     _ia_tcache_registry_unlock();
   }
   if (a->page) _ia_unmap_all(a);
@@ -279,7 +290,7 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
 }
 
 ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   if (c) {
     _ia_tcache_lock(c);
     _ia_fold(a, c);
@@ -312,7 +323,7 @@ ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia
     _ia_arena_trace(a, IA_TRACE_FAIL, 0, size, stream);
   }
   IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return b ? IA_OK : st;
 }
 
@@ -320,7 +331,7 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   uintptr_t addr = (uintptr_t)at;
   if (size == 0 || size > IA_MAX_REQUEST || addr % a->opts.alignment) return IA_ERR_INVALID_ARGUMENT;
   size_t rsize = _ia_align_up(size, a->opts.alignment);
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   _ia_drain(a); /* the range may lie in blocks that threads keep */
   region_t *r = _ia_region_of(a, addr);
   block_t *b = r ? r->first : NULL;
@@ -350,7 +361,7 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   }
   if (st == IA_OK) hand_out(a, b, rsize, size, stream);
   IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return st;
 }
 
@@ -393,19 +404,19 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_f
 }
 
 void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   _ia_tcache_lock(c);
   _ia_fold(a, c);
   _ia_trim(a, c);
   _ia_tcache_unlock(c);
   IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }
 
 ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   a->stats.bad_frees++;
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return st;
 }
 
@@ -416,7 +427,7 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
 }
 
 ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   ia_status_t st = b ? IA_OK : _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
   if (b && b->cache) { /* lent: freed by another thread, or with other streams recorded on it */
@@ -429,7 +440,7 @@ ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   }
   if (st != IA_OK) {
     a->stats.bad_frees++;
-    pthread_mutex_unlock(&a->lock);
+    _ia_arena_unlock(a);
     return st;
   }
   if (stream == IA_STREAM_NONE) stream = b->stream;
@@ -441,15 +452,15 @@ ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
   _ia_make_free(a, b, stream, false);
   IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return IA_OK;
 }
 
 uint64_t ia_arena_release_cached(ia_arena_t *a) {
   if (!a->opts.growable) return 0;
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   if (!_ia_capturing(a)) _ia_drain(a); /* a region may be free but for blocks that threads keep */
   uint64_t released = _ia_release_free_regions(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return released;
 }

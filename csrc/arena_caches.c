@@ -7,7 +7,7 @@
 typedef _ia_block_t block_t;
 
 bool _ia_arena_attach_cache(ia_arena_t *a, _ia_tcache_t *c) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   bool room = a->n_caches < a->cap_caches;
   if (!room) {
     size_t cap = a->cap_caches ? a->cap_caches * 2 : 4;
@@ -18,7 +18,7 @@ bool _ia_arena_attach_cache(ia_arena_t *a, _ia_tcache_t *c) {
     }
   }
   if (room) a->caches[a->n_caches++] = c;
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return room;
 }
 
@@ -102,7 +102,7 @@ void _ia_trim(ia_arena_t *a, _ia_tcache_t *c) {
 }
 
 void _ia_arena_cache_exit(ia_arena_t *a, _ia_tcache_t *c) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   _ia_tcache_lock(c);
   take_all_back(a, c);
   /* What the thread still has handed out is live; its frees now go through the arena's lock. */
@@ -111,5 +111,5 @@ void _ia_arena_cache_exit(ia_arena_t *a, _ia_tcache_t *c) {
   for (size_t i = 0; i < a->n_caches; i++)
     if (a->caches[i] == c) a->caches[i] = a->caches[--a->n_caches];
   IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }

@@ -194,9 +194,9 @@ static bool check_with_caches(ia_arena_t *a, char *msg, size_t msg_len) {
 }
 
 bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   bool ok = check_with_caches(a, msg, msg_len);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return ok;
 }
 

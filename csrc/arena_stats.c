@@ -27,13 +27,13 @@ void _ia_count_split(ia_arena_t *a, int64_t blocks, int64_t bytes) {
 }
 
 void _ia_arena_watch_captures(ia_arena_t *a, const _Atomic int *captures) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   a->captures = captures;
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }
 
 void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   a->totals = t;
   a->captures = &t->captures;
   const ia_stats_t *s = &a->stats;
@@ -42,24 +42,24 @@ void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
   _ia_total_add(&t->blocks, s->blocks.current);
   _ia_total_add(&t->capacity, s->capacity.current);
   _ia_total_add(&t->regions, s->regions.current);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }
 
 void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   a->on_region = hook;
   a->on_region_ctx = ctx;
   if (a->range_size && hook) hook(ctx, a, a->range_base, a->range_size, true); /* mapping: the range */
   for (region_t *r = a->page ? NULL : a->regions; r && hook; r = r->next) hook(ctx, a, r->base, r->size, true);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }
 
 bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
   uintptr_t p = (uintptr_t)ptr;
   if (a->fixed_hi) return p >= a->fixed_lo && p < a->fixed_hi;
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   bool owned = _ia_region_of(a, p) != NULL;
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return owned;
 }
 
@@ -88,7 +88,7 @@ static uint64_t largest_free_locked(const ia_arena_t *a) {
 /* Blocks kept by thread caches count as free (they are, to PyTorch's allocated-versus-reserved
  * view), each as the block it is: they have not merged with their neighbours. */
 void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   uint64_t cached_bytes = 0, cached_blocks = 0, cached_largest = 0;
   for (size_t i = 0; i < a->n_caches; i++) {
     uint64_t bytes, blocks, largest;
@@ -102,7 +102,7 @@ void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
   }
   *out = a->stats;
   out->largest_free = largest_free_locked(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   out->free_bytes += cached_bytes;
   out->free_blocks += cached_blocks;
   if (cached_largest > out->largest_free) out->largest_free = cached_largest;
@@ -110,27 +110,27 @@ void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
 }
 
 void ia_arena_reset_peaks(ia_arena_t *a) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   _ia_fold_all(a);
 #define RESET(name, torch, doc) a->stats.name.peak = a->stats.name.current;
   IA_STAT_QUADS(RESET)
 #undef RESET
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }
 
 size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   size_t n = 0;
   for (region_t *r = a->regions; r; r = r->next, n++)
     if (n < cap) out[n] = (ia_region_info_t){r->base, r->size};
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return n;
 }
 
 /* A block a thread cache keeps is listed as the free block it is (it may neighbour another), as
  * ia_arena_stats counts it: looking does not change the arena. */
 size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_lock(a->caches[i]);
   size_t n = 0;
   uint32_t index = 0;
@@ -141,17 +141,17 @@ size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
                                    .region_base = r->base, .region = index,
                                    .is_free = b->is_free || (b->cache && b->cached), .stream = b->stream};
   for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_unlock(a->caches[i]);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return n;
 }
 
 void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   bool attaching = t && t != atomic_load(&a->trace);
   atomic_store(&a->trace_tag, (uint64_t)(uint32_t)device << 8 | pool);
   atomic_store_explicit(&a->trace, t, memory_order_release);
   /* A trace starts with the regions already held, so a consumer knows the arena's layout. */
   for (region_t *r = attaching ? a->regions : NULL; r; r = r->next)
     _ia_arena_trace(a, IA_TRACE_RESERVE, r->base, r->size, IA_STREAM_NONE);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }

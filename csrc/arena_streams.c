@@ -50,7 +50,7 @@ ia_status_t _ia_order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed
 }
 
 ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   ia_status_t st = IA_OK;
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   _ia_tcache_t *owner = b ? b->cache : NULL;
@@ -74,12 +74,12 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
     }
   }
   if (owner) _ia_tcache_unlock(owner);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return st;
 }
 
 void _ia_arena_flush_events(ia_arena_t *a) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   _ia_drain(a); /* frees kept by threads need their events now too */
   for (region_t *r = a->regions; r; r = r->next)
     for (block_t *b = r->first; b; b = b->phys_next) {
@@ -92,13 +92,13 @@ void _ia_arena_flush_events(ia_arena_t *a) {
         a->stats.event_records++;
       }
     }
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 }
 
 ia_status_t _ia_arena_grant_access(ia_arena_t *a, int peer) {
-  pthread_mutex_lock(&a->lock); /* maps happen under it too, so none misses the peer */
+  _ia_arena_lock(a); /* maps happen under it too, so none misses the peer */
   ia_status_t st = a->page && a->backend->grant_access ? a->backend->grant_access(a->backend, peer) : IA_OK;
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return st;
 }
 
@@ -107,7 +107,7 @@ bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
 }
 
 bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   if (b && b->cache) _ia_tcache_lock(b->cache);
   bool live = b && !(b->cache && b->cached);
@@ -116,6 +116,6 @@ bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, u
     *other_streams = b->n_uses;
   }
   if (b && b->cache) _ia_tcache_unlock(b->cache);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
   return live;
 }

@@ -102,6 +102,14 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
+static inline void _ia_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 /* Zeroed host memory that starts and ends on cache-line boundaries, for what one thread writes
  * while other threads' cores read what would sit beside it (arenas, thread caches, regions). */
 #define IA_CACHE_LINE 64
@@ -452,6 +460,16 @@ struct ia_arena {
 
   ia_stats_t stats;
 };
+
+/* The arena's lock. A thread that finds it taken retries for a while (microseconds: a few hundred
+ * pauses) before the mutex may put it to sleep, since the locked paths hold it for well under a
+ * microsecond and a sleeping waiter costs the holder a wake-up in the kernel and itself a
+ * reschedule (benchmarks/RESULTS.md, the C core under threads). */
+void _ia_arena_lock_contended(ia_arena_t *a);
+static inline void _ia_arena_lock(ia_arena_t *a) {
+  if (__builtin_expect(pthread_mutex_trylock(&a->lock) != 0, 0)) _ia_arena_lock_contended(a);
+}
+static inline void _ia_arena_unlock(ia_arena_t *a) { pthread_mutex_unlock(&a->lock); }
 
 static inline void _ia_arena_trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
                                    ia_stream_t stream) {

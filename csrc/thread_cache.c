@@ -79,21 +79,13 @@ static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
 void _ia_tcache_registry_lock(void) { pthread_mutex_lock(&registry); }
 void _ia_tcache_registry_unlock(void) { pthread_mutex_unlock(&registry); }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
 /* Contended only by a drain or an exit of another thread, which are short; yields so that an
  * oversubscribed machine lets the holder run. */
 void _ia_tcache_lock(_ia_tcache_t *c) {
   unsigned spins = 0;
   while (atomic_exchange_explicit(&c->lock, 1, memory_order_acquire))
     while (atomic_load_explicit(&c->lock, memory_order_relaxed)) {
-      if (++spins < 64) cpu_relax();
+      if (++spins < 64) _ia_cpu_relax();
       else sched_yield();
     }
 }
@@ -172,9 +164,9 @@ static inline void after_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t a
   _ia_totals_live(a->totals, action == IA_TRACE_ALLOC ? 1 : -1, (int64_t)bytes, (int64_t)requested);
   _ia_arena_trace(a, action, addr, size, stream);
 #if IA_DEBUG
-  pthread_mutex_lock(&a->lock);
+  _ia_arena_lock(a);
   IA_DEBUG_CHECK(a);
-  pthread_mutex_unlock(&a->lock);
+  _ia_arena_unlock(a);
 #endif
 }
 
