@@ -146,19 +146,25 @@ def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
     assert "refused" not in done.stderr, done.stderr  # every free found its arena in the registry
 
 
+def run_seeds_sanitized(tmp_path, harness, seeds, steps):
+    """Builds `harness` under AddressSanitizer and UBSan and runs `harness SEED STEPS` for each
+    seed, each of which must print "ok"; the seeds are fixed, so a failure replays."""
+    exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",
+                                          "-fno-sanitize-recover=undefined"], harness=harness)
+    if built.returncode != 0:
+        pytest.skip(f"this toolchain cannot build with the sanitizers: {built.stderr[-300:]}")
+    for seed in seeds:
+        done = subprocess.run([str(exe), str(seed), str(steps)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and done.stdout.strip() == "ok", f"seed {seed}: {done.stdout}{done.stderr[-3000:]}"
+
+
 def test_random_operation_sequences_under_address_and_undefined_behaviour_sanitizers(tmp_path):
     """tests/support/stress/fuzz.c: random sequences on a fixed, a growable and a mapping arena, each with
     and without thread caches, and on the plugin's pools (host memory; general pools mapped for even
     seeds), invariant walks along the way; seeds fixed, so a failure replays.
     Seed 4 found a carve-out giving memory back during a capture, which recorded an event on the
     capturing stream."""
-    exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",
-                                          "-fno-sanitize-recover=undefined"], harness="fuzz")
-    if built.returncode != 0:
-        pytest.skip(f"this toolchain cannot build with the sanitizers: {built.stderr[-300:]}")
-    for seed in range(1, 9):
-        done = subprocess.run([str(exe), str(seed), "500000"], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0 and done.stdout.strip() == "ok", f"seed {seed}: {done.stdout}{done.stderr[-3000:]}"
+    run_seeds_sanitized(tmp_path, "fuzz", seeds=range(1, 9), steps=500_000)
 
 
 def test_the_region_registry_answers_the_innermost_region_as_a_brute_force_search_does(tmp_path):
@@ -166,13 +172,7 @@ def test_the_region_registry_answers_the_innermost_region_as_a_brute_force_searc
     and removed at random; after every change, every region's edges and random addresses are
     looked up and compared with a search over all regions (under the sanitizers). It fails with a
     binary search that stops one entry short."""
-    exe, built = build_harness(tmp_path, ["-O1", "-g", "-fsanitize=address,undefined",
-                                          "-fno-sanitize-recover=undefined"], harness="registry_check")
-    if built.returncode != 0:
-        pytest.skip(f"this toolchain cannot build with the sanitizers: {built.stderr[-300:]}")
-    for seed in range(1, 4):
-        done = subprocess.run([str(exe), str(seed), "1500"], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0 and done.stdout.strip() == "ok", f"seed {seed}: {done.stdout}{done.stderr[-3000:]}"
+    run_seeds_sanitized(tmp_path, "registry_check", seeds=range(1, 4), steps=1500)
 
 
 def test_python_threads_hand_blocks_to_each_other():
