@@ -33,8 +33,9 @@
  * Statistics, the block list and the invariant walk change nothing: they add the caches' counters
  * (fold) and count the blocks free in caches as free blocks of their own.
  *
- * Locking: one mutex per arena (adaptive: it spins briefly before sleeping) guards everything in
- * it, taken once per public call that is not served by a thread cache. Backend calls made while
+ * Locking: one mutex per arena guards everything in it, taken once per public call that is not
+ * served by a thread cache; a thread that finds it taken retries for a few microseconds before it
+ * may sleep (_ia_arena_lock). Backend calls made while
  * growing or ordering streams happen under it; they never call back into the arena.
  *
  * Over a backend that maps pages, a growable arena's regions are the mapped stretches of one
@@ -178,8 +179,7 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
     ia_backend_destroy(backend);
     return IA_ERR_NO_HOST_MEMORY;
   }
-  /* Critical sections are a few dozen nanoseconds: spinning briefly before sleeping in the kernel
-   * keeps contended threads off the futex path. */
+  /* Adaptive: past _ia_arena_lock's retries the mutex still spins a little before it sleeps. */
   pthread_mutexattr_t attr;
   pthread_mutexattr_init(&attr);
   pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
