@@ -35,8 +35,8 @@
  *
  * Locking: one mutex per arena guards everything in it, taken once per public call that is not
  * served by a thread cache; a thread that finds it taken retries for a few microseconds before it
- * may sleep (_ia_arena_lock). Backend calls made while
- * growing or ordering streams happen under it; they never call back into the arena.
+ * may sleep (_ia_arena_lock). Backend calls made while growing or ordering streams happen under
+ * it; they never call back into the arena.
  *
  * Over a backend that maps pages, a growable arena's regions are the mapped stretches of one
  * address range instead of reservations (arena_mapped.c); nothing else changes. Thread
