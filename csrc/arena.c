@@ -77,10 +77,8 @@ void _ia_assert_fail(const char *cond, const char *file, int line) {
 /* ---- free classes (the size classes are in internal.h) ---------------------------------------- */
 
 void _ia_bin_insert(ia_arena_t *a, block_t *b) {
-  unsigned fl, sl;
-  _ia_class_of(b->size, &fl, &sl);
-  b->fl = (uint8_t)fl;
-  b->sl = (uint8_t)sl;
+  _ia_file_class(b);
+  unsigned fl = b->fl, sl = b->sl;
   b->free_prev = NULL;
   b->free_next = a->bins[fl][sl];
   if (b->free_next) b->free_next->free_prev = b;

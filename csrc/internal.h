@@ -294,6 +294,15 @@ typedef struct _ia_block {
 _Static_assert(offsetof(_ia_block_t, cache) <= IA_CACHE_LINE && IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256,
                "a block's fast-path fields fill its first cache line; its classes fit in bytes");
 
+/* Records b's size class in b (fl, sl): where the arena files it as free, and where a thread cache
+ * is lent it (its size then holds until the arena has it back). */
+static inline void _ia_file_class(_ia_block_t *b) {
+  unsigned fl, sl;
+  _ia_class_of(b->size, &fl, &sl);
+  b->fl = (uint8_t)fl;
+  b->sl = (uint8_t)sl;
+}
+
 /* Blocks by address: open addressing, linear probing, backward-shift deletion. The arena's table
  * holds every block it does not have free (live and lent ones); a cache's, the blocks lent to it. */
 typedef struct {

@@ -105,9 +105,10 @@ void _ia_registry_hook(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size
   pthread_mutex_unlock(&reg.lock);
 }
 
-/* The number of t's n entries whose base is at most p: a binary search without branches on the
- * entries (the hardware cannot predict which half a freed pointer falls in, and every free of the
- * process looks here). */
+/* The number of t's n entries whose base is at most p: position(t, n, p, 0), written for lookups
+ * as a binary search without branches on the entries (the hardware cannot predict which half a
+ * freed pointer falls in, and every free of the process looks here). position's two-part order
+ * compiles to branches, so it stays for the rare changes. */
 static size_t count_at_or_before(const table_t *t, size_t n, uintptr_t p) {
   if (n == 0) return 0;
   const entry_t *at = t->items;

@@ -56,7 +56,6 @@ struct _ia_tcache {
   _ia_table_t lent;          /* every block lent to the cache, free in it or handed out */
   size_t limit, full_bytes, block_max;
   unsigned fl_count;         /* classes 0 .. fl_count - 1 of the first level exist */
-  size_t last_list;          /* fl_count * IA_SL_COUNT - 1 */
   uint64_t free_bytes, free_blocks;
   _ia_tcache_counts_t counts;
   _ia_tcache_t *next;        /* the thread's caches */
@@ -131,10 +130,9 @@ static inline void list_unlink(_ia_tcache_t *c, _ia_block_t *b, _ia_block_t *pre
 
 /* ---- the fast path -------------------------------------------------------------------------- */
 
-/* A block's share of inactive_split, in the arena's rule (internal.h: _ia_split_free); asked only of
- * arenas of reservations, whose regions never change size, so the arena's lock is not needed. */
-static inline void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
-  if (b->size == b->region->size) return;
+/* A block's share of inactive_split, by the arena's rule (_ia_split_free, which needs no lock). */
+static inline void count_split(const ia_arena_t *a, _ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
+  if (!_ia_split_free(a, b)) return;
   if (freed) {
     _ia_delta_inc(&k->inactive_split, 1);
     _ia_delta_inc(&k->inactive_split_bytes, b->size);
@@ -190,7 +188,8 @@ ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, voi
   /* The request's class, then up to CLASSES_UP above it; the first level's classes are exact
    * sizes, where a class up is a fixed 16 bytes however small the request: none there. */
   size_t first = (size_t)fl * IA_SL_COUNT + sl, last = fl ? first + CLASSES_UP : first;
-  if (last > c->last_list) last = c->last_list;
+  size_t end = (size_t)c->fl_count * IA_SL_COUNT;
+  if (last >= end) last = end - 1;
   lock_mine(c);
   _ia_block_t *b = NULL, *prev;
   for (size_t i = first; !b && i <= last; i++) b = scan(c, i, rsize, stream, &prev);
@@ -205,7 +204,7 @@ ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, voi
   _ia_delta_inc(&k->in_use, b->size);
   _ia_delta_inc(&k->requested, size);
   _ia_delta_inc(&k->blocks, 1);
-  if (!a->page) count_split(k, b, false);
+  count_split(a, k, b, false);
   _ia_tcache_unlock(c);
   /* Handed out to this caller alone: its fields are stable to read. */
   after_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
@@ -232,7 +231,7 @@ ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_delta_dec(&k->in_use, size);
   _ia_delta_dec(&k->requested, requested);
   _ia_delta_dec(&k->blocks, 1);
-  if (!a->page) count_split(k, b, true);
+  count_split(a, k, b, true);
   b->requested = 0;
   b->cached = true;
   ia_stream_t freed_on = b->stream;
@@ -254,10 +253,7 @@ _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c) {
 
 bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b) {
   if (b->size > c->block_max || !_ia_table_insert(&c->lent, b)) return false;
-  unsigned fl, sl;
-  _ia_class_of(b->size, &fl, &sl);
-  b->fl = (uint8_t)fl;
-  b->sl = (uint8_t)sl;
+  _ia_file_class(b);
   b->free_prev = b->free_next = NULL;
   b->cache = c;
   b->cached = false;
@@ -415,7 +411,6 @@ static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a) {
   c->heads = (_ia_block_t **)(c + 1);
   c->sl_map = (uint32_t *)(c->heads + lists);
   c->fl_count = fl + 1;
-  c->last_list = lists - 1;
   c->limit = limit;
   c->full_bytes = limit + limit / 4;
   c->block_max = block_max;
