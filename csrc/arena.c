@@ -311,7 +311,7 @@ ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia
     if (b) {
       _ia_bin_remove(a, b);
       hand_out(a, b, rsize, size, stream);
-      if (c) _ia_tcache_lend(c, b); /* its free, on this thread, then skips the lock */
+      if (c) _ia_tcache_lend(a, c, b); /* its free, on this thread, then skips the lock */
       *out = (void *)b->addr;
     }
   }

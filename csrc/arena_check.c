@@ -60,6 +60,8 @@ static bool check_held_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, si
   if (b->cache) {
     CHECK(is_my_cache(a, b->cache) && _ia_tcache_holds(b->cache, b),
           "block %#lx is lent to a cache that does not hold it", (unsigned long)b->addr);
+    CHECK(b->split == _ia_split_free(a, b), "block %#lx lent to a cache is marked %s", (unsigned long)b->addr,
+          b->split ? "split but its region is whole" : "whole but its region is split");
     w->lent++;
   } else {
     CHECK(!b->cached, "block %#lx is free in a cache it is not lent to", (unsigned long)b->addr);

@@ -141,7 +141,8 @@ typedef struct {
 
 static inline void _ia_delta_inc(_ia_delta_t *d, uint64_t n) {
   d->allocated += (int64_t)n;
-  if (d->allocated - d->freed > d->peak) d->peak = d->allocated - d->freed;
+  int64_t now = d->allocated - d->freed;
+  d->peak = now > d->peak ? now : d->peak; /* a conditional move: a new peak is data, not a pattern */
 }
 static inline void _ia_delta_dec(_ia_delta_t *d, uint64_t n) { d->freed += (int64_t)n; }
 
@@ -252,15 +253,13 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
 
 static inline unsigned _ia_log2_floor(size_t n) { return 63u - (unsigned)__builtin_clzll(n); }
 
+/* Without a branch: whether a request is below the first level's limit is data, which a predictor
+ * misses on about a third of a mixed workload's requests. Below it, f is taken as IA_FL_SHIFT, so
+ * that the second level is size / IA_ALIGN and the first level comes out 0. */
 static inline void _ia_class_of(size_t size, unsigned *fl, unsigned *sl) {
-  if (size < ((size_t)1 << IA_FL_SHIFT)) {
-    *fl = 0;
-    *sl = (unsigned)(size >> IA_ALIGN_SHIFT);
-  } else {
-    unsigned f = _ia_log2_floor(size);
-    *sl = (unsigned)(size >> (f - IA_SL_BITS)) ^ IA_SL_COUNT;
-    *fl = f - (IA_FL_SHIFT - 1);
-  }
+  unsigned f = _ia_log2_floor(size | ((size_t)1 << IA_FL_SHIFT));
+  *sl = (unsigned)(size >> (f - IA_SL_BITS)) & (IA_SL_COUNT - 1);
+  *fl = f - (IA_FL_SHIFT - 1) - (size < ((size_t)1 << IA_FL_SHIFT));
 }
 
 typedef struct _ia_tcache _ia_tcache_t;
@@ -275,17 +274,20 @@ typedef struct _ia_block {
   /* Free in the arena: its class list there. Free in a thread cache: the cache's class list.
    * Unused header: the slab's spare list. */
   struct _ia_block *free_prev, *free_next;
-  _ia_region_t *region;
   ia_stream_t stream;
   uint32_t n_uses;
   uint8_t fl, sl;
   bool is_free; /* in one of the arena's classes */
   bool cached;  /* lent and free in its cache: handed out by no one */
+  /* Lent: whether it is a split region's block (_ia_split_free), which holds while it is lent, so
+   * that the fast path counts inactive_split without reading the region's header. */
+  bool split;
   /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
    * arena's lock and the cache's; while lent, the fields except addr, size, region and the
    * physical links belong to the cache (its lock), and the arena neither splits nor merges the
    * block (a mapped arena's cut and join rename the region of every block of a stretch). */
   _ia_tcache_t *cache;
+  _ia_region_t *region;
   struct _ia_block *phys_prev, *phys_next;
   uint64_t free_seq;
   ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
@@ -375,7 +377,7 @@ void _ia_tcache_lock(_ia_tcache_t *c);
 void _ia_tcache_unlock(_ia_tcache_t *c);
 /* The rest also under the cache's lock. */
 _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c); /* returns the counts and zeroes them */
-bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b); /* false: b stays the arena's */
+bool _ia_tcache_lend(const ia_arena_t *a, _ia_tcache_t *c, _ia_block_t *b); /* false: b stays the arena's */
 void _ia_tcache_unlend(_ia_tcache_t *c, _ia_block_t *b);
 /* A free block of the cache, out of it and no longer lent (the newest of the largest class), while
  * the cache keeps more than its limit, or while it keeps any with `all`; else NULL. */
@@ -511,7 +513,7 @@ void _ia_count_capacity(ia_arena_t *a, int64_t bytes);
 void _ia_count_regions(ia_arena_t *a, int64_t n);
 /* What free block b adds to inactive_split: 1 and its bytes when its region is split (it is not the
  * whole region), else nothing; nothing in a mapping arena. Regions that are reservations never change
- * size, so a thread cache may ask without the arena's lock. */
+ * size, so the answer for a block lent to a thread cache holds while it is lent (its split bit). */
 static inline bool _ia_split_free(const ia_arena_t *a, const _ia_block_t *b) {
   return !a->page && b->size < b->region->size;
 }

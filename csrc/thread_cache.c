@@ -60,7 +60,7 @@ struct _ia_tcache {
   _ia_tcache_counts_t counts;
   _ia_tcache_t *next;        /* the thread's caches */
   uint64_t fl_map;
-  uint32_t *sl_map;          /* [fl] */
+  uint32_t *sl_map;          /* [fl], and a last one always 0: a row's next one can be read */
   _ia_block_t **heads;       /* [fl * IA_SL_COUNT + sl]: newest first */
 };
 
@@ -91,11 +91,6 @@ void _ia_tcache_lock(_ia_tcache_t *c) {
 
 void _ia_tcache_unlock(_ia_tcache_t *c) { atomic_store_explicit(&c->lock, 0, memory_order_release); }
 
-/* The owner's take and put: the uncontended exchange inline, the wait out of line. */
-static inline void lock_mine(_ia_tcache_t *c) {
-  if (__builtin_expect(atomic_exchange_explicit(&c->lock, 1, memory_order_acquire), 0)) _ia_tcache_lock(c);
-}
-
 /* ---- class lists ---------------------------------------------------------------------------- */
 
 /* Singly linked, newest first: taking and keeping touch only the block itself, never a neighbour's
@@ -114,9 +109,8 @@ static inline void list_push(_ia_tcache_t *c, _ia_block_t *b) {
   c->free_blocks++;
 }
 
-/* Takes b out of its list, where it follows prev (NULL: b is the head). */
-static inline void list_unlink(_ia_tcache_t *c, _ia_block_t *b, _ia_block_t *prev) {
-  size_t i = list_of(b);
+/* Takes b out of list i, where it follows prev (NULL: b is the head). */
+static inline void list_unlink(_ia_tcache_t *c, size_t i, _ia_block_t *b, _ia_block_t *prev) {
   if (prev) {
     prev->free_next = b->free_next;
   } else if (!(c->heads[i] = b->free_next)) {
@@ -130,9 +124,9 @@ static inline void list_unlink(_ia_tcache_t *c, _ia_block_t *b, _ia_block_t *pre
 
 /* ---- the fast path -------------------------------------------------------------------------- */
 
-/* A block's share of inactive_split, by the arena's rule (_ia_split_free, which needs no lock). */
-static inline void count_split(const ia_arena_t *a, _ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
-  if (!_ia_split_free(a, b)) return;
+/* A block's share of inactive_split, by the arena's rule (recorded at lending). */
+static inline void count_split(_ia_tcache_counts_t *k, const _ia_block_t *b, bool freed) {
+  if (!b->split) return;
   if (freed) {
     _ia_delta_inc(&k->inactive_split, 1);
     _ia_delta_inc(&k->inactive_split_bytes, b->size);
@@ -155,17 +149,40 @@ static inline _ia_block_t *scan(const _ia_tcache_t *c, size_t i, size_t rsize, i
   return b;
 }
 
-/* What the arena would have done under its lock besides the cache's own counters: the device
- * totals, the trace, and in a debug build the invariant walk. */
-static inline void after_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr, size_t size,
-                            uint64_t bytes, uint64_t requested, ia_stream_t stream) {
-  _ia_totals_live(a->totals, action == IA_TRACE_ALLOC ? 1 : -1, (int64_t)bytes, (int64_t)requested);
+/* The same from the lists marked in `held` (bit 0: list *i), in order; *i ends at the block's. */
+static inline _ia_block_t *scan_held(const _ia_tcache_t *c, size_t *i, uint64_t held, size_t rsize, ia_stream_t stream,
+                                     _ia_block_t **prev) {
+  for (; held; held >>= 1, ++*i) {
+    _ia_block_t *b = held & 1 ? scan(c, *i, rsize, stream, prev) : NULL;
+    if (b) return b;
+  }
+  return NULL;
+}
+
+/* The fast paths below are written so that every call they make on a rare path is a tail call
+ * (the slow cases are functions of their own that start over or finish the operation): with no
+ * value live across a call, the common path saves no registers. */
+
+/* The trace's record, out of line: only a traced arena pays for it. */
+static __attribute__((noinline)) ia_status_t traced(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr,
+                                                   size_t size, ia_stream_t stream) {
   _ia_arena_trace(a, action, addr, size, stream);
+  return IA_OK;
+}
+
+/* What the arena would have done under its lock besides the cache's own counters: the device
+ * totals, the trace, and in a debug build the invariant walk. Returns IA_OK. */
+static inline ia_status_t after_op(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr, size_t size,
+                                   uint64_t bytes, uint64_t requested, ia_stream_t stream) {
+  _ia_totals_live(a->totals, action == IA_TRACE_ALLOC ? 1 : -1, (int64_t)bytes, (int64_t)requested);
 #if IA_DEBUG
   _ia_arena_lock(a);
   IA_DEBUG_CHECK(a);
   _ia_arena_unlock(a);
 #endif
+  if (__builtin_expect(atomic_load_explicit(&a->trace, memory_order_relaxed) != NULL, 0))
+    return traced(a, action, addr, size, stream);
+  return IA_OK;
 }
 
 static _ia_tcache_t *make(ia_arena_t *a);
@@ -178,44 +195,90 @@ static inline _ia_tcache_t *find_mine(const ia_arena_t *a) {
   return NULL;
 }
 
-ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
-  _ia_tcache_t *c = find_mine(a);
-  if (__builtin_expect(!c, 0) && !(c = make(a))) return _ia_alloc_locked(a, size, stream, NULL, out);
-  size_t rsize = _ia_align_up(size, a->opts.alignment);
-  unsigned fl, sl;
-  _ia_class_of(rsize, &fl, &sl);
-  if (fl >= c->fl_count) return _ia_alloc_locked(a, size, stream, c, out);
-  /* The request's class, then up to CLASSES_UP above it; the first level's classes are exact
-   * sizes, where a class up is a fixed 16 bytes however small the request: none there. */
-  size_t first = (size_t)fl * IA_SL_COUNT + sl, last = fl ? first + CLASSES_UP : first;
-  size_t end = (size_t)c->fl_count * IA_SL_COUNT;
-  if (last >= end) last = end - 1;
-  lock_mine(c);
-  _ia_block_t *b = NULL, *prev;
-  for (size_t i = first; !b && i <= last; i++) b = scan(c, i, rsize, stream, &prev);
-  if (!b) {
-    _ia_tcache_unlock(c);
-    return _ia_alloc_locked(a, size, stream, c, out);
-  }
-  list_unlink(c, b, prev);
+/* Which of the lists a request of class (fl, sl) may take from hold a block, from the bitmaps:
+ * bit 0 is the request's own list, then up to CLASSES_UP above it (the span may run into the next
+ * row), so that empty lists cost no branch. The first level's classes are exact sizes, where a
+ * class up is a fixed 16 bytes however small the request: none there. */
+static inline uint64_t lists_held(const _ia_tcache_t *c, unsigned fl, unsigned sl) {
+  uint64_t rows = c->sl_map[fl] | (uint64_t)c->sl_map[fl + 1] << IA_SL_COUNT;
+  return (rows >> sl) & (fl ? (1u << (CLASSES_UP + 1)) - 1 : 1);
+}
+
+/* Hands out b, taken from list i where it follows prev, and unlocks the cache. */
+static inline ia_status_t take(ia_arena_t *a, _ia_tcache_t *c, size_t i, _ia_block_t *b, _ia_block_t *prev,
+                               size_t size, ia_stream_t stream, void **out) {
+  list_unlink(c, i, b, prev);
   b->cached = false;
   b->requested = size;
   _ia_tcache_counts_t *k = &c->counts;
   _ia_delta_inc(&k->in_use, b->size);
   _ia_delta_inc(&k->requested, size);
   _ia_delta_inc(&k->blocks, 1);
-  count_split(a, k, b, false);
+  count_split(k, b, false);
   _ia_tcache_unlock(c);
   /* Handed out to this caller alone: its fields are stable to read. */
-  after_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
   *out = (void *)b->addr;
+  return after_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
+}
+
+/* An allocation with the cache locked, looking at every list it may take from: what the fast path
+ * hands over when the first list's head does not serve the request, or its lock was taken. */
+static __attribute__((noinline)) ia_status_t alloc_scanning(ia_arena_t *a, _ia_tcache_t *c, size_t size,
+                                                            ia_stream_t stream, void **out) {
+  size_t rsize = _ia_align_up(size, a->opts.alignment);
+  unsigned fl, sl;
+  _ia_class_of(rsize, &fl, &sl);
+  size_t i = (size_t)fl * IA_SL_COUNT + sl;
+  _ia_block_t *prev = NULL, *b = scan_held(c, &i, lists_held(c, fl, sl), rsize, stream, &prev);
+  if (b) return take(a, c, i, b, prev, size, stream, out);
+  _ia_tcache_unlock(c);
+  return _ia_alloc_locked(a, size, stream, c, out);
+}
+
+static __attribute__((noinline)) ia_status_t alloc_contended(ia_arena_t *a, _ia_tcache_t *c, size_t size,
+                                                             ia_stream_t stream, void **out) {
+  _ia_tcache_lock(c);
+  return alloc_scanning(a, c, size, stream, out);
+}
+
+/* The thread's first allocation from the arena: its cache is made, then the allocation starts over. */
+static __attribute__((noinline)) ia_status_t alloc_first(ia_arena_t *a, size_t size, ia_stream_t stream,
+                                                         void **out) {
+  if (!make(a)) return _ia_alloc_locked(a, size, stream, NULL, out);
+  return _ia_tcache_alloc(a, size, stream, out);
+}
+
+ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
+  _ia_tcache_t *c = find_mine(a);
+  if (__builtin_expect(!c, 0)) return alloc_first(a, size, stream, out);
+  size_t rsize = _ia_align_up(size, a->opts.alignment);
+  unsigned fl, sl;
+  _ia_class_of(rsize, &fl, &sl);
+  if (fl >= c->fl_count) return _ia_alloc_locked(a, size, stream, c, out);
+  if (__builtin_expect(atomic_exchange_explicit(&c->lock, 1, memory_order_acquire), 0))
+    return alloc_contended(a, c, size, stream, out);
+  uint64_t held = lists_held(c, fl, sl);
+  if (!held) {
+    _ia_tcache_unlock(c);
+    return _ia_alloc_locked(a, size, stream, c, out);
+  }
+  /* The common case: the first list that holds a block, its newest block. */
+  size_t i = (size_t)fl * IA_SL_COUNT + sl + (size_t)__builtin_ctzll(held);
+  _ia_block_t *b = c->heads[i];
+  if (__builtin_expect(b->stream != stream || b->size < rsize, 0)) return alloc_scanning(a, c, size, stream, out);
+  return take(a, c, i, b, NULL, size, stream, out);
+}
+
+/* A free past the cache's limits: recorded, then the cache gives back down to them. */
+static __attribute__((noinline)) ia_status_t free_trimming(ia_arena_t *a, _ia_tcache_t *c, uintptr_t addr,
+                                                           uint64_t size, uint64_t requested, ia_stream_t stream) {
+  after_op(a, IA_TRACE_FREE, addr, size, size, requested, stream);
+  _ia_trim_cache(a, c);
   return IA_OK;
 }
 
-ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
-  _ia_tcache_t *c = find_mine(a);
-  if (!c) return _ia_free_locked(a, ptr, stream);
-  lock_mine(c);
+/* A free with the cache locked. */
+static inline ia_status_t put(ia_arena_t *a, _ia_tcache_t *c, void *ptr, ia_stream_t stream) {
   _ia_block_t *b = _ia_table_find(&c->lent, (uintptr_t)ptr, NULL);
   if (!b || b->n_uses) { /* not lent to this cache, or other streams recorded on it */
     _ia_tcache_unlock(c);
@@ -231,16 +294,29 @@ ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_delta_dec(&k->in_use, size);
   _ia_delta_dec(&k->requested, requested);
   _ia_delta_dec(&k->blocks, 1);
-  count_split(a, k, b, true);
+  count_split(k, b, true);
   b->requested = 0;
   b->cached = true;
   ia_stream_t freed_on = b->stream;
   list_push(c, b);
   bool full = c->free_bytes > c->full_bytes || c->free_blocks > FULL_BLOCKS;
   _ia_tcache_unlock(c);
-  after_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
-  if (full) _ia_trim_cache(a, c);
-  return IA_OK;
+  if (__builtin_expect(full, 0)) return free_trimming(a, c, (uintptr_t)ptr, size, requested, freed_on);
+  return after_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
+}
+
+static __attribute__((noinline)) ia_status_t free_contended(ia_arena_t *a, _ia_tcache_t *c, void *ptr,
+                                                            ia_stream_t stream) {
+  _ia_tcache_lock(c);
+  return put(a, c, ptr, stream);
+}
+
+ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  _ia_tcache_t *c = find_mine(a);
+  if (!c) return _ia_free_locked(a, ptr, stream);
+  if (__builtin_expect(atomic_exchange_explicit(&c->lock, 1, memory_order_acquire), 0))
+    return free_contended(a, c, ptr, stream);
+  return put(a, c, ptr, stream);
 }
 
 /* ---- the arena's side (its lock and the cache's held) --------------------------------------- */
@@ -251,9 +327,10 @@ _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c) {
   return k;
 }
 
-bool _ia_tcache_lend(_ia_tcache_t *c, _ia_block_t *b) {
+bool _ia_tcache_lend(const ia_arena_t *a, _ia_tcache_t *c, _ia_block_t *b) {
   if (b->size > c->block_max || !_ia_table_insert(&c->lent, b)) return false;
   _ia_file_class(b);
+  b->split = _ia_split_free(a, b);
   b->free_prev = b->free_next = NULL;
   b->cache = c;
   b->cached = false;
@@ -269,8 +346,9 @@ _ia_block_t *_ia_tcache_evict(_ia_tcache_t *c, bool all) {
   if (!c->fl_map || (!all && c->free_bytes <= c->limit && c->free_blocks <= MAX_BLOCKS)) return NULL;
   unsigned fl = _ia_log2_floor(c->fl_map);
   unsigned sl = _ia_log2_floor(c->sl_map[fl]);
-  _ia_block_t *b = c->heads[(size_t)fl * IA_SL_COUNT + sl]; /* the newest of the largest class */
-  list_unlink(c, b, NULL);
+  size_t i = (size_t)fl * IA_SL_COUNT + sl;
+  _ia_block_t *b = c->heads[i]; /* the newest of the largest class */
+  list_unlink(c, i, b, NULL);
   _ia_table_remove(&c->lent, b);
   b->cache = NULL;
   b->cached = false;
@@ -307,7 +385,7 @@ void _ia_tcache_orphan(_ia_tcache_t *c) {
   free(c->lent.slots);
   c->lent = (_ia_table_t){0};
   memset(c->heads, 0, (size_t)c->fl_count * IA_SL_COUNT * sizeof *c->heads);
-  memset(c->sl_map, 0, c->fl_count * sizeof *c->sl_map);
+  memset(c->sl_map, 0, (c->fl_count + 1) * sizeof *c->sl_map);
   c->fl_map = c->free_bytes = c->free_blocks = 0;
   atomic_store(&c->arena, NULL);
 }
@@ -322,6 +400,7 @@ void _ia_tcache_orphan(_ia_tcache_t *c) {
 
 bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len) {
   uint64_t bytes = 0, blocks = 0;
+  CHECK(!c->sl_map[c->fl_count], "a thread cache's bitmap marks lists past its last class");
   for (unsigned fl = 0; fl < c->fl_count; fl++)
     for (unsigned sl = 0; sl < IA_SL_COUNT; sl++) {
       size_t i = (size_t)fl * IA_SL_COUNT + sl;
@@ -406,7 +485,7 @@ static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a) {
   unsigned fl, sl;
   _ia_class_of(block_max, &fl, &sl);
   size_t lists = (size_t)(fl + 1) * IA_SL_COUNT;
-  _ia_tcache_t *c = _ia_zalloc_lines(sizeof *c + lists * sizeof(_ia_block_t *) + (fl + 1) * sizeof(uint32_t));
+  _ia_tcache_t *c = _ia_zalloc_lines(sizeof *c + lists * sizeof(_ia_block_t *) + (fl + 2) * sizeof(uint32_t));
   if (!c) return NULL;
   c->heads = (_ia_block_t **)(c + 1);
   c->sl_map = (uint32_t *)(c->heads + lists);

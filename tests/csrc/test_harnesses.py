@@ -175,6 +175,13 @@ def test_the_region_registry_answers_the_innermost_region_as_a_brute_force_searc
     run_seeds_sanitized(tmp_path, "registry_check", seeds=range(1, 4), steps=1500)
 
 
+def test_size_classes_hold_every_size_they_are_given(tmp_path):
+    """tests/support/stress/class_check.c: the size-class function, which computes without a
+    branch, against the classes' definition for every size up to 16 MiB and random sizes of every
+    magnitude (under the sanitizers)."""
+    run_seeds_sanitized(tmp_path, "class_check", seeds=range(1, 3), steps=2_000_000)
+
+
 def test_python_threads_hand_blocks_to_each_other():
     capacity = 8 << 20
     handoff: list[tuple[int, int, int]] = []
