@@ -41,11 +41,13 @@ def compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
 
 
-def build(out: pathlib.Path) -> pathlib.Path:
+def build(out: pathlib.Path, tree: pathlib.Path = ROOT) -> pathlib.Path:
+    """The C program built into ``out`` from ``tree``'s csrc/ and bench_arena.c (this repository's
+    by default; compare_cores.py builds other trees' with the same flags)."""
     exe = out / "bench_arena"
-    subprocess.run([*compiler(), "-O2", "-std=gnu11", "-pthread", f"-I{ROOT / 'csrc'}",
-                    str(ROOT / "benchmarks" / "alloc" / "bench_arena.c"),
-                    *map(str, sorted((ROOT / "csrc").glob("*.c"))), "-ldl", "-o", str(exe)], check=True)
+    subprocess.run([*compiler(), "-O2", "-std=gnu11", "-pthread", f"-I{tree / 'csrc'}",
+                    str(tree / "benchmarks" / "alloc" / "bench_arena.c"),
+                    *map(str, sorted((tree / "csrc").glob("*.c"))), "-ldl", "-o", str(exe)], check=True)
     return exe
 
 

@@ -7,6 +7,7 @@ what is checked is that the programs run and report what RESULTS.md quotes from 
 import dataclasses
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 
@@ -189,3 +190,43 @@ def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
     ghz = res["machine"]["clock_ghz"]
     assert ghz is None or 0.3 < ghz <= 7.0
     assert "goal: 1 thread: arena <= 50 ns per pair" in proc.stdout
+
+
+
+def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path):
+    """Two cores, one from git (HEAD) and one from a directory (the working tree), at toy sizes:
+    every case runs once a round for each core, ratios are taken against the first core, and the
+    goals are judged for each core on its own medians."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "cores.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc" / "compare_cores.py"),
+                           "head=HEAD", f"tree={ROOT}", "--rounds", "2", "--pairs", "4000", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    by = {(r["case"], r["core"]): r for r in res["results"]}
+    assert {core for _, core in by} == {"head", "tree", "glibc"}
+    assert all(len(r["runs"]) == 2 and min(r["runs"]) > 0 for r in res["results"])
+    assert all(by[case, "head"]["median_ratio_to_first"] == 1.0 for case, core in by if core == "head")
+    one = by["1 thread", "tree"]
+    assert one["median_ratio_to_first"] == pytest.approx(
+        statistics.median(t / h for t, h in zip(one["runs"], by["1 thread", "head"]["runs"])))
+    glibc4 = by["glibc, 4 threads", "glibc"]["median_ns"]
+    assert [(g["one_thread_met"], g["four_threads_met"]) for g in res["goals"]] == [
+        (by["1 thread", c]["median_ns"] <= 50.0, by["4 threads", c]["median_ns"] / glibc4 <= 2.0)
+        for c in ("head", "tree")]
+    assert "goal: tree: 1 thread: arena <= 50 ns per pair" in proc.stdout
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["HEAD"], "a core is LABEL=SOURCE"),
+    (["a=no-such-revision"], "neither a directory nor a revision"),
+    (["a=HEAD", "a=HEAD"], "a label of its own"),
+    (["a=/"], "a directory without csrc"),
+])
+def test_compare_cores_refuses_bad_cores_in_one_line(argv, says):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc" / "compare_cores.py"), *argv],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -1,0 +1,132 @@
+"""Compares C cores on the arena microbenchmark (bench_arena.c): each core is built from its own
+tree and every case runs as a process of its own, the cores alternated (A B A B, the order rotated
+every round), so that clocks, neighbours and order decide nothing; the table gives each core's
+median ns per pair and its median ratio to the first core over the rounds (each ratio taken
+within one round).
+
+    python benchmarks/alloc/compare_cores.py LABEL=SOURCE [LABEL=SOURCE ...] [--rounds N]
+                                             [--pairs N] [--json FILE]
+
+SOURCE is a git revision of this repository (its csrc/ and benchmarks/alloc/bench_arena.c are
+taken with `git archive`) or a directory holding those two, for a machine with no git checkout.
+Cases: the arena with 16 MiB thread caches at one and four threads, with 64 MiB caches at one
+thread (nearly every request served by the cache: the fast path alone), without caches at one
+thread (the locked path), and glibc malloc at one and four threads, built with the first core.
+The goals are bench_arena.py's, judged for each core on its medians.
+"""
+
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # the repository root
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.alloc.bench_arena import FOUR_THREADS_RATIO, ONE_THREAD_NS, build, machine  # noqa: E402
+
+# (case, allocator, threads, pairs divisor, thread cache MiB)
+CASES = (("1 thread", "arena", 1, 1, 16), ("4 threads", "arena", 4, 2, 16), ("1 thread, 64 MiB", "arena", 1, 1, 64),
+         ("1 thread, no caches", "locked", 1, 2, 16))
+GLIBC = (("glibc, 1 thread", "malloc", 1, 1, 16), ("glibc, 4 threads", "malloc", 4, 2, 16))
+FILES = ("csrc", "benchmarks/alloc/bench_arena.c")
+
+
+def fail(message: str) -> None:
+    print(f"compare_cores: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_core(text: str) -> tuple[str, str]:
+    label, sep, source = text.partition("=")
+    if not sep or not label or not source:
+        fail(f"a core is LABEL=SOURCE (a git revision or a directory), got {text!r}")
+    return label, source
+
+
+def tree(source: str, into: pathlib.Path) -> pathlib.Path:
+    """The directory holding the core's csrc/ and bench_arena.c: SOURCE itself, or its git archive."""
+    path = pathlib.Path(source)
+    if path.is_dir():
+        missing = [f for f in FILES if not (path / f).exists()]
+        if missing:
+            fail(f"{source} is a directory without {' and '.join(missing)}: give a tree holding both")
+        return path
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, *FILES], capture_output=True)
+    if archive.returncode != 0:
+        why = (archive.stderr.decode(errors="replace").strip().splitlines() or ["no reason given"])[-1]
+        fail(f"{source} is neither a directory nor a revision git can archive here ({why})")
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    return into
+
+
+def run(exe: pathlib.Path, allocator: str, threads: int, pairs: int, cache_mib: int) -> float:
+    out = subprocess.run([str(exe), allocator, str(threads), str(pairs), "1", str(cache_mib)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.split()[2])
+
+
+def main() -> None:
+    parser = harness.parser(__doc__, rounds=8, rounds_help="passes over every case and core, alternated")
+    parser.add_argument("cores", nargs="+", metavar="LABEL=SOURCE")
+    parser.add_argument("--pairs", type=int, default=1_000_000,
+                        help="pairs per thread at one thread (half that at four, and without caches)")
+    args = parser.parse_args()
+    if args.pairs < 2:
+        parser.error(f"--pairs must be at least 2, got {args.pairs}")
+    cores = [parse_core(c) for c in args.cores]
+    labels = [label for label, _ in cores]
+    if len(set(labels)) != len(labels):
+        fail(f"every core needs a label of its own, got {', '.join(labels)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        exes = {}
+        for label, source in cores:
+            out = tmp / f"build-{len(exes)}"
+            out.mkdir()
+            exes[label] = build(out, tree(source, tmp / f"tree-{len(exes)}"))
+        jobs = [(name, label, alloc, threads, pairs, mib) for name, alloc, threads, pairs, mib in CASES
+                for label in labels]
+        jobs += [(name, labels[0], alloc, threads, pairs, mib) for name, alloc, threads, pairs, mib in GLIBC]
+        times: dict[tuple[str, str], list[float]] = {(name, label): [] for name, label, *_ in jobs}
+        for r in range(args.rounds):
+            for k in range(len(jobs)):
+                name, label, alloc, threads, pairs, mib = jobs[(r + k) % len(jobs)]
+                times[name, label].append(run(exes[label], alloc, threads, args.pairs // pairs, mib))
+    first = labels[0]
+    rows, results = [], []
+    for name, *_ in CASES:
+        base = times[name, first]
+        for label in labels:
+            t = times[name, label]
+            ratio = statistics.median(x / b for x, b in zip(t, base))
+            results.append({"case": name, "core": label, "median_ns": statistics.median(t), "runs": t,
+                            "median_ratio_to_first": ratio})
+            rows.append((name, label, f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}",
+                         "1" if label == first else f"{ratio:.2f}"))
+    for name, *_ in GLIBC:
+        t = times[name, first]
+        results.append({"case": name, "core": "glibc", "median_ns": statistics.median(t), "runs": t})
+        rows.append((name, "glibc", f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}", ""))
+    harness.table(f"alloc+free pair, {args.rounds} rounds, cores alternated",
+                  ("case", "core", "median ns/pair", "range", f"median ratio to {first}"), rows)
+    glibc4 = statistics.median(times["glibc, 4 threads", first])
+    goals = []
+    for label in labels:
+        one, four = statistics.median(times["1 thread", label]), statistics.median(times["4 threads", label])
+        goals.append({"core": label, "one_thread_met": harness.goal(
+            f"{label}: 1 thread: arena <= {ONE_THREAD_NS:.0f} ns per pair", one <= ONE_THREAD_NS, f"{one:.1f} ns"),
+            "four_threads_met": harness.goal(
+            f"{label}: 4 threads: arena / glibc <= {FOUR_THREADS_RATIO:.1f}", four / glibc4 <= FOUR_THREADS_RATIO,
+            f"{four / glibc4:.2f} ({four:.0f} / {glibc4:.0f} ns)")})
+    m = machine()
+    print(f"machine: {m['cpu']}, {m['cores']} cores; compiler: {m['compiler']}")
+    harness.write_json(args.json, {"machine": m, "cores": dict(cores), "results": results, "goals": goals},
+                       indent=2)
+
+
+if __name__ == "__main__":
+    main()
