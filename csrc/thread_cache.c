@@ -161,7 +161,8 @@ static inline _ia_block_t *scan_held(const _ia_tcache_t *c, size_t *i, uint64_t 
 
 /* The fast paths below are written so that every call they make on a rare path is a tail call
  * (the slow cases are functions of their own that start over or finish the operation): with no
- * value live across a call, the common path saves no registers. */
+ * value live across a call, the compiler keeps the common path's values in registers a call may
+ * clobber, and saves 3 registers on entry where it saved 6. */
 
 /* The trace's record, out of line: only a traced arena pays for it. */
 static __attribute__((noinline)) ia_status_t traced(ia_arena_t *a, ia_trace_action_t action, uintptr_t addr,

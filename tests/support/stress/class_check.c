@@ -7,15 +7,9 @@
 #include <stdlib.h>
 
 #include "internal.h"
+#include "xorshift.h"
 
 static uint64_t rng;
-
-static uint64_t next_random(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
 
 /* The first size of class (fl, sl), as a 128-bit number: the last level's top is 2^64. */
 static unsigned __int128 class_start(unsigned fl, unsigned sl) {
@@ -44,8 +38,8 @@ int main(int argc, char **argv) {
     for (int d = -1; d <= 1; d++)
       if (!check(((size_t)1 << bit) + (size_t)d)) return 1;
   for (long i = 0; i < steps; i++) {
-    uint64_t r = next_random();
-    if (!check((size_t)(next_random() >> (r & 63)))) return 1;
+    uint64_t r = next_random(&rng);
+    if (!check((size_t)(next_random(&rng) >> (r & 63)))) return 1;
   }
   printf("ok\n");
   return 0;

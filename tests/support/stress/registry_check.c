@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "internal.h"
+#include "xorshift.h"
 
 #define MAX_REGIONS 300
 
@@ -20,13 +21,6 @@ typedef struct {
 
 static region_t regions[MAX_REGIONS];
 static uint64_t rng;
-
-static uint64_t next_random(void) {
-  rng ^= rng << 13;
-  rng ^= rng >> 7;
-  rng ^= rng << 17;
-  return rng;
-}
 
 /* Innermost live region holding p, by the registry's rule. */
 static const region_t *model_find(uintptr_t p) {
@@ -60,7 +54,7 @@ int main(int argc, char **argv) {
   int steps = atoi(argv[2]);
   const uintptr_t space = (uintptr_t)1 << 40, unit = 4096;
   for (int step = 0; step < steps; step++) {
-    region_t *r = &regions[next_random() % MAX_REGIONS];
+    region_t *r = &regions[next_random(&rng) % MAX_REGIONS];
     if (r->live) {
       _ia_registry_hook(&r->owner, r->arena, r->base, r->end - r->base, false);
       r->live = 0;
@@ -68,18 +62,18 @@ int main(int argc, char **argv) {
       /* A third nest inside a live region (a carve-out at its base or further in), the rest stand
        * alone somewhere in the space (they may overlap others without nesting, which the
        * registry never sees from the plugin; they are kept apart here by their own range). */
-      const region_t *outer = &regions[next_random() % MAX_REGIONS];
-      if (outer->live && next_random() % 3 == 0 && outer->end - outer->base >= 2 * unit) {
+      const region_t *outer = &regions[next_random(&rng) % MAX_REGIONS];
+      if (outer->live && next_random(&rng) % 3 == 0 && outer->end - outer->base >= 2 * unit) {
         uintptr_t units = (outer->end - outer->base) / unit;
-        uintptr_t at = next_random() % 2 ? 0 : next_random() % (units - 1);
-        uintptr_t len = 1 + next_random() % (units - at - 1);
+        uintptr_t at = next_random(&rng) % 2 ? 0 : next_random(&rng) % (units - 1);
+        uintptr_t len = 1 + next_random(&rng) % (units - at - 1);
         r->base = outer->base + at * unit;
         r->end = r->base + len * unit;
         if (model_find(r->base) != outer || model_find(r->end - 1) != outer) continue; /* keep nesting proper */
       } else {
         uintptr_t slot = (uintptr_t)(r - regions);
-        r->base = slot * (space / MAX_REGIONS) + (next_random() % 64) * unit;
-        r->end = r->base + (1 + next_random() % 4096) * unit;
+        r->base = slot * (space / MAX_REGIONS) + (next_random(&rng) % 64) * unit;
+        r->end = r->base + (1 + next_random(&rng) % 4096) * unit;
       }
       r->arena = (ia_arena_t *)(uintptr_t)(0x1000 + 16 * (uintptr_t)step);
       _ia_registry_hook(&r->owner, r->arena, r->base, r->end - r->base, true);
@@ -92,7 +86,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     for (int k = 0; k < 64; k++)
-      if (!check((uintptr_t)(next_random() % space), step)) return 1;
+      if (!check((uintptr_t)(next_random(&rng) % space), step)) return 1;
   }
   printf("ok\n");
   return 0;

@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "arena.h"
+#include "xorshift.h"
 
 #define MAILBOX 4096
 #define HELD 64
@@ -63,13 +64,6 @@ static void verify_and_free(void *p, size_t size, ia_stream_t stream) {
     fprintf(stderr, "free of %p failed\n", p);
     exit(3);
   }
-}
-
-static uint64_t next_random(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
 }
 
 /* Log-uniform sizes from 1 byte to 64 KiB, with an occasional large block. */

@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "arena.h"
+#include "xorshift.h"
 
 #define CAPACITY ((size_t)16 << 20)
 #define UNIT 64
@@ -55,13 +56,6 @@ typedef struct {
   size_t size[HELD];
   uint64_t serial[HELD];
 } held_t;
-
-static uint64_t next_random(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return *s;
-}
 
 static uint64_t word(const void *p, size_t size, uint64_t serial, size_t i) {
   uint64_t x = ((uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull) ^ size ^ (serial << 20) ^ (i * 0xD6E8FEB86659FD93ull);
