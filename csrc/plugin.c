@@ -38,7 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "plugin.h"
 
 #define MiB ((size_t)1 << 20)
 /* PyTorch's caching allocator: a small-block segment (kSmallBuffer) and the smallest large one

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "plugin.h"
 
 static __thread int workspace_depth;
 static __thread uint64_t pool_refusals;

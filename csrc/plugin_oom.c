@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "plugin.h"
 
 #define MiB ((size_t)1 << 20)
 

@@ -1,0 +1,44 @@
+/* The plugin's state, shared by plugin.c (configuration and devices), plugin_entry.c (PyTorch's
+ * entry points and routing) and plugin_oom.c (out-of-memory messages and the report); not part of
+ * the public interface. */
+#ifndef INDEXER_ARENA_PLUGIN_H
+#define INDEXER_ARENA_PLUGIN_H
+
+#include "internal.h"
+
+typedef struct {
+  _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
+  _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
+  ia_arena_t *arenas[IA_POOL_COUNT];
+  ia_totals_t totals;
+  bool unified;
+  bool expandable;      /* the general arenas map pages of one address range each, this big: */
+  size_t address_range;
+  uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
+  _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
+  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
+} _ia_device_slot_t;
+
+typedef struct {
+  pthread_mutex_t lock; /* guards configuration and device creation */
+  bool configured;
+  ia_plugin_config_t config; /* its strings are plugin.c's own copies */
+  ia_trace_t *trace;
+  _ia_device_slot_t devices[IA_MAX_DEVICES];
+  _Atomic uint64_t ooms, retries;
+} _ia_plugin_t;
+extern _ia_plugin_t _ia_plugin;
+/* Why the last device creation, reservation or routing of this thread failed (ia_plugin_failure). */
+extern __thread char _ia_failure[1024];
+
+/* plugin.c. The device's slot, its arenas made on first use (NULL, and *st, when that fails). */
+_ia_device_slot_t *_ia_device_slot(int device, ia_status_t *st);
+ia_status_t _ia_ensure_workspace(_ia_device_slot_t *slot, int device);
+bool _ia_device_ready(int device);
+/* plugin_oom.c: each formats the message and raises it through the configuration's raise_oom. */
+void _ia_raise_oom(const char *message);
+void _ia_fail_alloc(int device, int pool, size_t size, ia_status_t st);
+void _ia_fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size, ia_status_t st);
+void _ia_describe_pool_refusal(_ia_device_slot_t *slot, int device, size_t size, void *stream);
+
+#endif
