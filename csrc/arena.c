@@ -33,10 +33,10 @@
  * Statistics, the block list and the invariant walk change nothing: they add the caches' counters
  * (fold) and count the blocks free in caches as free blocks of their own.
  *
- * Locking: one lock per arena guards everything in it, taken once per public call that is not
+ * Locking: one mutex per arena guards everything in it, taken once per public call that is not
  * served by a thread cache; a thread that finds it taken retries for a few microseconds before it
- * may sleep (_ia_arena_lock_contended). Backend calls made while growing or ordering streams
- * happen under it; they never call back into the arena.
+ * may sleep (_ia_arena_lock). Backend calls made while growing or ordering streams happen under
+ * it; they never call back into the arena.
  *
  * Over a backend that maps pages, a growable arena's regions are the mapped stretches of one
  * address range instead of reservations (arena_mapped.c); nothing else changes. Thread
@@ -44,14 +44,11 @@
  * and growth maps pages only after taking back every block they keep, so a cache never makes the
  * arena map more.
  */
-#define _GNU_SOURCE /* syscall */
-#include <linux/futex.h>
+#define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -61,29 +58,16 @@ typedef _ia_block_t block_t;
 /* Blocks looked at per class list before settling; bounds the search whatever the list length. */
 #define SCAN_LIMIT 16
 
-/* The arena's lock is a futex word (0 free, 1 held, 2 held and a thread may be asleep on it), the
- * classic three-state mutex: taking and giving it uncontended is one atomic instruction each, where
- * glibc's mutex spent about sixty instructions a lock and unlock on its type checks. A thread that
- * finds it taken retries LOCK_SPIN_ROUNDS rounds of eight pauses (microseconds) before it marks the
- * word 2 and sleeps: the locked paths hold it for well under a microsecond, and a sleeping waiter
- * costs the holder a wake-up in the kernel and itself a reschedule (benchmarks/RESULTS.md, the C
- * core under threads). An unlock that finds 2 wakes one sleeper, which takes the word as 2 again in
- * case others still sleep. */
+/* Rounds of eight pauses before the mutex may sleep (internal.h: _ia_arena_lock). */
 #define LOCK_SPIN_ROUNDS 50
 
 void _ia_arena_lock_contended(ia_arena_t *a) {
   for (int round = 0; round < LOCK_SPIN_ROUNDS; round++) {
     for (int k = 0; k < 8; k++) _ia_cpu_relax();
-    uint32_t free_state = 0;
-    if (atomic_load_explicit(&a->lock, memory_order_relaxed) == 0 &&
-        atomic_compare_exchange_weak_explicit(&a->lock, &free_state, 1, memory_order_acquire, memory_order_relaxed))
-      return;
+    if (pthread_mutex_trylock(&a->lock) == 0) return;
   }
-  while (atomic_exchange_explicit(&a->lock, 2, memory_order_acquire) != 0)
-    syscall(SYS_futex, &a->lock, FUTEX_WAIT_PRIVATE, 2, NULL, NULL, 0);
+  pthread_mutex_lock(&a->lock);
 }
-
-void _ia_arena_wake(ia_arena_t *a) { syscall(SYS_futex, &a->lock, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0); }
 
 void _ia_assert_fail(const char *cond, const char *file, int line) {
   fprintf(stderr, "indexer-arena: internal invariant broken: %s (%s:%d)\n", cond, file, line);
@@ -193,6 +177,12 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
     ia_backend_destroy(backend);
     return IA_ERR_NO_HOST_MEMORY;
   }
+  /* Adaptive: past _ia_arena_lock's retries the mutex still spins a little before it sleeps. */
+  pthread_mutexattr_t attr;
+  pthread_mutexattr_init(&attr);
+  pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
+  pthread_mutex_init(&a->lock, &attr);
+  pthread_mutexattr_destroy(&attr);
   a->opts = *opts;
   if (!opts->thread_cache_block) a->opts.thread_cache = 0; /* nothing could be kept */
   a->backend = backend;
@@ -248,6 +238,7 @@ void ia_arena_destroy(ia_arena_t *a) {
   free(a->caches);
   free(a->streams);
   free(a->table.slots);
+  pthread_mutex_destroy(&a->lock);
   free(a);
 }
 

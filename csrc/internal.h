@@ -449,8 +449,7 @@ struct ia_arena {
   uintptr_t range_base;
   size_t range_size;
 
-  /* 0 free, 1 held, 2 held and a thread may be asleep on it (arena.c: _ia_arena_lock_contended). */
-  _Alignas(IA_CACHE_LINE) _Atomic uint32_t lock;
+  _Alignas(IA_CACHE_LINE) pthread_mutex_t lock;
 
   _ia_region_t *regions; /* oldest first: a region's index in reports stays put as others come */
 
@@ -473,19 +472,15 @@ struct ia_arena {
   ia_stats_t stats;
 };
 
-/* The arena's lock: a futex word, taken and given with one atomic instruction each when nobody
- * waits (arena.c says how a thread waits). */
+/* The arena's lock. A thread that finds it taken retries for a while (microseconds: a few hundred
+ * pauses) before the mutex may put it to sleep, since the locked paths hold it for well under a
+ * microsecond and a sleeping waiter costs the holder a wake-up in the kernel and itself a
+ * reschedule (benchmarks/RESULTS.md, the C core under threads). */
 void _ia_arena_lock_contended(ia_arena_t *a);
-void _ia_arena_wake(ia_arena_t *a);
 static inline void _ia_arena_lock(ia_arena_t *a) {
-  uint32_t free_state = 0;
-  if (__builtin_expect(!atomic_compare_exchange_strong_explicit(&a->lock, &free_state, 1, memory_order_acquire,
-                                                                memory_order_relaxed), 0))
-    _ia_arena_lock_contended(a);
+  if (__builtin_expect(pthread_mutex_trylock(&a->lock) != 0, 0)) _ia_arena_lock_contended(a);
 }
-static inline void _ia_arena_unlock(ia_arena_t *a) {
-  if (__builtin_expect(atomic_exchange_explicit(&a->lock, 0, memory_order_release) == 2, 0)) _ia_arena_wake(a);
-}
+static inline void _ia_arena_unlock(ia_arena_t *a) { pthread_mutex_unlock(&a->lock); }
 
 static inline void _ia_arena_trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
                                    ia_stream_t stream) {
