@@ -55,7 +55,10 @@ def tree(source: str, into: pathlib.Path) -> pathlib.Path:
             fail(f"{source} is a directory without {' and '.join(missing)}: give a tree holding both")
         return path
     into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, *FILES], capture_output=True)
+    try:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", source, *FILES], capture_output=True)
+    except OSError as e:
+        fail(f"{source} is not a directory, and git cannot run here to archive it as a revision ({e})")
     if archive.returncode != 0:
         why = (archive.stderr.decode(errors="replace").strip().splitlines() or ["no reason given"])[-1]
         fail(f"{source} is neither a directory nor a revision git can archive here ({why})")
