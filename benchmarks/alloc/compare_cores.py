@@ -66,10 +66,13 @@ def tree(source: str, into: pathlib.Path) -> pathlib.Path:
     return into
 
 
-def run(exe: pathlib.Path, allocator: str, threads: int, pairs: int, cache_mib: int) -> float:
-    out = subprocess.run([str(exe), allocator, str(threads), str(pairs), "1", str(cache_mib)],
-                         check=True, capture_output=True, text=True).stdout
-    return float(out.split()[2])
+def run(label: str, exe: pathlib.Path, allocator: str, threads: int, pairs: int, cache_mib: int) -> float:
+    done = subprocess.run([str(exe), allocator, str(threads), str(pairs), "1", str(cache_mib)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        fail(f"{label}'s bench_arena {allocator} {threads} failed (exit {done.returncode}): "
+             f"{' '.join(done.stderr.split())[-300:]}")
+    return float(done.stdout.split()[2])
 
 
 def main() -> None:
@@ -90,7 +93,11 @@ def main() -> None:
         for label, source in cores:
             out = tmp / f"build-{len(exes)}"
             out.mkdir()
-            exes[label] = build(out, tree(source, tmp / f"tree-{len(exes)}"))
+            try:
+                exes[label] = build(out, tree(source, tmp / f"tree-{len(exes)}"))
+            except subprocess.CalledProcessError:
+                fail(f"{label} ({source}): bench_arena.c did not build against its csrc/ (the compiler's "
+                     "errors are above)")
         jobs = [(name, label, alloc, threads, pairs, mib) for name, alloc, threads, pairs, mib in CASES
                 for label in labels]
         jobs += [(name, labels[0], alloc, threads, pairs, mib) for name, alloc, threads, pairs, mib in GLIBC]
@@ -98,7 +105,7 @@ def main() -> None:
         for r in range(args.rounds):
             for k in range(len(jobs)):
                 name, label, alloc, threads, pairs, mib = jobs[(r + k) % len(jobs)]
-                times[name, label].append(run(exes[label], alloc, threads, args.pairs // pairs, mib))
+                times[name, label].append(run(label, exes[label], alloc, threads, args.pairs // pairs, mib))
     first = labels[0]
     rows, results = [], []
     for name, *_ in CASES:

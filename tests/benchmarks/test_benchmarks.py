@@ -230,3 +230,14 @@ def test_compare_cores_refuses_bad_cores_in_one_line(argv, says):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_compare_cores_says_which_core_did_not_build(tmp_path):
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "benchmarks" / "alloc").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "alloc" / "bench_arena.c").write_text("int main(void) { return 0 }\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "alloc" / "compare_cores.py"),
+                           f"broken={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"compare_cores: broken ({tmp_path}): bench_arena.c did not build")
