@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import NoReturn
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root
@@ -34,7 +35,7 @@ GLIBC = (("glibc, 1 thread", "malloc", 1, 1, 16), ("glibc, 4 threads", "malloc",
 FILES = ("csrc", "benchmarks/alloc/bench_arena.c")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"compare_cores: {message}", file=sys.stderr)
     sys.exit(2)
 
