@@ -111,7 +111,6 @@ TestArenaMachine = ArenaMachine.TestCase
 TestArenaMachine.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
 
 
-
 class CachedArenaMachine(ArenaMachine):
     """The same sequences with a thread cache (csrc/thread_cache.c) small enough to be trimmed
     often. What still holds: an allocation succeeds exactly when a gap of the live blocks holds it
