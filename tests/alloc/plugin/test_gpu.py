@@ -140,7 +140,10 @@ print(json.dumps({"held": held, "cached": cached, "after": alloc.memory_reserved
 def test_general_regions_cost_the_device_what_they_hold():
     """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
     alignment's padding) would cost a whole 2 MiB page a region, outside every pool's count.
-    Regions, so expandable:off (mapped pools have one stretch each: test_expandable.py)."""
+    Regions, so expandable:off (mapped pools have one stretch each: test_expandable.py). The
+    device's free memory is the whole device's: tests-graphs runs four test processes at a time,
+    and another one's allocation once moved it by 4 MiB inside the window, so the bound is half a
+    page a region, which padding (a whole page a region) still passes."""
     out = run("""
 alloc.install(alloc.Config(expandable="off"))
 """ + DEVICE_COST_WORK + """print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
@@ -148,7 +151,7 @@ alloc.install(alloc.Config(expandable="off"))
 """)
     assert out["regions"] >= 14
     assert out["held"] >= (3 * 12 + 12 * 6 + 20) << 20
-    assert abs(out["device"] - out["held"]) <= 2 << 20, out  # padding would cost 2 MiB a region
+    assert abs(out["device"] - out["held"]) < out["regions"] << 20, out
 
 
 def test_record_stream_keeps_a_block_until_the_other_stream_is_done():
