@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from benchmarks.alloc import bench_arena
 from tests.support import ROOT
 
 
@@ -190,7 +191,9 @@ def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
     ghz = res["machine"]["clock_ghz"]
     assert ghz is None or 0.3 < ghz <= 7.0
     assert "goal: 1 thread: arena <= 50 ns per pair" in proc.stdout
-
+    glibc = one["runs"]["malloc"]
+    assert f"malloc {min(glibc):.1f}-{max(glibc):.1f}" in proc.stdout
+    assert ("the machine's speed moved" in proc.stdout) == (max(glibc) > bench_arena.UNSTEADY * min(glibc))
 
 
 def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path):
