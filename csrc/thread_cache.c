@@ -208,8 +208,9 @@ static inline uint64_t lists_held(const _ia_tcache_t *c, unsigned fl, unsigned s
 /* Hands out b, taken from list i where it follows prev, and unlocks the cache. Always inlined, as
  * put below: gcc kept each out of line for its two callers, and take's eight arguments then went
  * through the stack on the fast path. */
-static inline __attribute__((always_inline)) ia_status_t take(ia_arena_t *a, _ia_tcache_t *c, size_t i, _ia_block_t *b, _ia_block_t *prev,
-                               size_t size, ia_stream_t stream, void **out) {
+static inline __attribute__((always_inline)) ia_status_t take(ia_arena_t *a, _ia_tcache_t *c, size_t i,
+                                                              _ia_block_t *b, _ia_block_t *prev, size_t size,
+                                                              ia_stream_t stream, void **out) {
   list_unlink(c, i, b, prev);
   b->cached = false;
   b->requested = size;
@@ -281,7 +282,8 @@ static __attribute__((noinline)) ia_status_t free_trimming(ia_arena_t *a, _ia_tc
 }
 
 /* A free with the cache locked. */
-static inline __attribute__((always_inline)) ia_status_t put(ia_arena_t *a, _ia_tcache_t *c, void *ptr, ia_stream_t stream) {
+static inline __attribute__((always_inline)) ia_status_t put(ia_arena_t *a, _ia_tcache_t *c, void *ptr,
+                                                             ia_stream_t stream) {
   _ia_block_t *b = _ia_table_find(&c->lent, (uintptr_t)ptr, NULL);
   if (!b || b->n_uses) { /* not lent to this cache, or other streams recorded on it */
     _ia_tcache_unlock(c);

@@ -37,8 +37,8 @@ from benchmarks import harness  # noqa: E402
 ONE_THREAD_NS = 50.0
 FOUR_THREADS_RATIO = 2.0
 ALLOCATORS = ("arena", "locked", "plugin", "malloc")
-# glibc's slowest one-thread repeat past this many times its fastest: the machine's speed moved
-# (shared hosts run whole processes 1.6x slower at times, glibc's as much as the arena's).
+# glibc's slowest one-thread repeat past this many times its fastest: the machine's own speed moved
+# during the run (benchmarks/RESULTS.md, "Two speeds of process on one host").
 UNSTEADY = 1.25
 
 
