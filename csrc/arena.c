@@ -217,11 +217,9 @@ void ia_arena_destroy(ia_arena_t *a) {
   if (a->opts.thread_cache) {
     _ia_tcache_registry_lock();
     _ia_arena_lock(a);
-    for (size_t i = 0; i < a->n_caches; i++) {
-      _ia_tcache_lock(a->caches[i]);
-      _ia_tcache_orphan(a->caches[i]);
-      _ia_tcache_unlock(a->caches[i]);
-    }
+    _ia_tcache_claim(a->caches, a->n_caches);
+    for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_orphan(a->caches[i]);
+    _ia_tcache_release(a->caches, a->n_caches);
     a->n_caches = 0;
     _ia_arena_unlock(a);
     _ia_tcache_registry_unlock();
@@ -289,9 +287,8 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
 
 ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
   _ia_arena_lock(a);
-  if (c) {
-    _ia_tcache_lock(c);
-    _ia_fold(a, c);
+  if (c) { /* the calling thread's cache: no claim */
+    _ia_collect(a, c);
     _ia_trim(a, c);
   }
   ia_status_t st = IA_ERR_OUT_OF_MEMORY;
@@ -315,7 +312,6 @@ ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia
       *out = (void *)b->addr;
     }
   }
-  if (c) _ia_tcache_unlock(c);
   if (!b) {
     a->stats.requests_failed++;
     _ia_arena_trace(a, IA_TRACE_FAIL, 0, size, stream);
@@ -403,10 +399,8 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_f
 
 void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c) {
   _ia_arena_lock(a);
-  _ia_tcache_lock(c);
-  _ia_fold(a, c);
+  _ia_collect(a, c);
   _ia_trim(a, c);
-  _ia_tcache_unlock(c);
   IA_DEBUG_CHECK(a);
   _ia_arena_unlock(a);
 }
@@ -424,31 +418,47 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   return _ia_free_locked(a, ptr, stream);
 }
 
+/* A free's work that settles the block now: the other streams recorded on it ordered before
+ * `stream`'s reuse of it, the device totals and the trace. */
+static void free_now(ia_arena_t *a, block_t *b, ia_stream_t stream) {
+  for (uint32_t i = 0; i < b->n_uses; i++)
+    ia_assert(_ia_order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
+  b->n_uses = 0;
+  b->stream = stream;
+  _ia_totals_live(a->totals, -1, (int64_t)b->size, (int64_t)b->requested);
+  _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
+}
+
+void _ia_free_later(ia_arena_t *a, block_t *b) {
+  _ia_table_remove(&a->table, b);
+  _ia_count_stats(a, -1, (int64_t)b->size, (int64_t)b->requested);
+  _ia_make_free(a, b, b->stream, false);
+}
+
+/* A lent block freed by a thread that does not own its cache joins the cache's remote frees, which
+ * the arena gives back when it next settles that cache (_ia_collect): the owner's fast path may be
+ * reading the cache's table right now. Whether it is free in the cache already (a double free) is
+ * read without a claim: only a program that frees it twice can race on it. */
 ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   ia_status_t st = b ? IA_OK : _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
-  if (b && b->cache) { /* lent: freed by another thread, or with other streams recorded on it */
-    _ia_tcache_t *owner = b->cache;
-    _ia_tcache_lock(owner);
-    _ia_fold(a, owner); /* so that the counters include the block the cache handed out */
-    if (b->cached) st = IA_ERR_DOUBLE_FREE;
-    else _ia_tcache_unlend(owner, b);
-    _ia_tcache_unlock(owner);
-  }
+  if (b && b->cache && (b->cached || b->freed_remotely)) st = IA_ERR_DOUBLE_FREE;
   if (st != IA_OK) {
     a->stats.bad_frees++;
     _ia_arena_unlock(a);
     return st;
   }
-  if (stream == IA_STREAM_NONE) stream = b->stream;
-  for (uint32_t i = 0; i < b->n_uses; i++)
-    ia_assert(_ia_order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
-  b->n_uses = 0;
-  _ia_table_remove(&a->table, b);
-  _ia_count_live(a, -1, (int64_t)b->size, (int64_t)b->requested);
-  _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
-  _ia_make_free(a, b, stream, false);
+  free_now(a, b, stream == IA_STREAM_NONE ? b->stream : stream);
+  if (b->cache && !_ia_tcache_mine(b->cache)) {
+    _ia_tcache_free_remotely(b->cache, b);
+  } else {
+    if (b->cache) { /* the calling thread's, with other streams recorded on the block */
+      _ia_fold(a, b->cache); /* so that the counters include the block the cache handed out */
+      _ia_tcache_unlend(b->cache, b);
+    }
+    _ia_free_later(a, b);
+  }
   IA_DEBUG_CHECK(a);
   _ia_arena_unlock(a);
   return IA_OK;

@@ -307,6 +307,11 @@ const ia_backend_t *ia_arena_backend(const ia_arena_t *arena);
  * the live-block table agree with the blocks, the counters agree with the walk.
  * Returns true when all hold; otherwise writes what broke into msg. */
 bool ia_arena_check(ia_arena_t *arena, char *msg, size_t msg_len);
+/* How a thread cache's owner and the other threads keep out of each other's way in this process:
+ * "membarrier" (the owner's fast path only stores and loads; a rare other thread that must touch the
+ * cache makes every thread of the process pass a barrier) or "exchange" (both take a spinlock with an
+ * atomic exchange; where the barrier is not available, and under ThreadSanitizer). */
+const char *ia_thread_cache_protocol(void);
 
 /* ------------------------------------------------------------------------------------------------
  * Tracing: a bounded ring of allocation events, shared by any number of arenas. When the ring is

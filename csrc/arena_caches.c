@@ -22,7 +22,7 @@ bool _ia_arena_attach_cache(ia_arena_t *a, _ia_tcache_t *c) {
   return room;
 }
 
-/* Adds what the cache's fast path counted into the arena's statistics (both locks held). A peak
+/* Adds what the cache's fast path counted into the arena's statistics (the cache claimed). A peak
  * is raised by the most the cache's thread moved it since the last fold: exact with one thread;
  * with several, it can miss or overstate by what the other threads' caches moved since their
  * folds, which is bounded by their thread_cache bytes. The device totals are exact: the fast path
@@ -39,7 +39,17 @@ void _ia_fold(ia_arena_t *a, _ia_tcache_t *c) {
   _ia_stat_fold(&s->inactive_split_bytes, &k.inactive_split_bytes);
 }
 
-
+/* A cache's counters folded and its remote frees given back (the cache claimed, or the caller's). */
+void _ia_collect(ia_arena_t *a, _ia_tcache_t *c) {
+  _ia_fold(a, c);
+  for (block_t *b = _ia_tcache_take_remote_frees(c), *next; b; b = next) {
+    next = b->free_next;
+    b->free_next = NULL;
+    b->freed_remotely = false;
+    _ia_tcache_unlend(c, b);
+    _ia_free_later(a, b);
+  }
+}
 
 /* A block a cache gave back: it was counted as free already (fold), so it only rejoins the classes. */
 static void give_back(ia_arena_t *a, block_t *b) {
@@ -47,53 +57,56 @@ static void give_back(ia_arena_t *a, block_t *b) {
   _ia_make_free(a, b, b->stream, true);
 }
 
-/* All of a cache's free blocks come back to the arena (both locks held). */
+/* All of a cache's free blocks come back to the arena. */
 static void take_all_back(ia_arena_t *a, _ia_tcache_t *c) {
-  _ia_fold(a, c);
+  _ia_collect(a, c);
   for (block_t *b; (b = _ia_tcache_evict(c, true));) give_back(a, b);
 }
 
 /* Every cache's free blocks come back to the arena. */
 void _ia_drain(ia_arena_t *a) {
-  for (size_t i = 0; i < a->n_caches; i++) {
-    _ia_tcache_lock(a->caches[i]);
-    take_all_back(a, a->caches[i]);
-    _ia_tcache_unlock(a->caches[i]);
-  }
+  _ia_tcache_claim(a->caches, a->n_caches);
+  for (size_t i = 0; i < a->n_caches; i++) take_all_back(a, a->caches[i]);
+  _ia_tcache_release(a->caches, a->n_caches);
 }
 
-/* A request the arena's free blocks cannot serve takes blocks back from the threads' caches, one
- * at a time, largest first, the calling thread's own cache (`mine`, locked by the caller) first,
- * until it fits or no cache keeps any: only then may the arena grow or refuse. Taking all of them
- * back at once would empty caches whose threads fill them again at once; in a pool grown to just
- * what it needs, where the caches' blocks are all its slack, that happened at nearly every miss. */
-block_t *_ia_find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine) {
-  block_t *b = _ia_find_free(a, rsize);
-  for (size_t i = 0; !b && i <= a->n_caches;) {
-    _ia_tcache_t *c = i == 0 ? mine : a->caches[i - 1];
-    if (!c || (i > 0 && c == mine)) {
-      i++;
-      continue;
-    }
-    if (c != mine) _ia_tcache_lock(c);
-    block_t *taken = _ia_tcache_evict(c, true);
-    if (c != mine) _ia_tcache_unlock(c);
-    if (!taken) {
-      i++;
-      continue;
-    }
+/* Blocks of cache c come back one at a time, largest first, until a free block of rsize bytes is
+ * found. */
+static block_t *take_back_until(ia_arena_t *a, size_t rsize, _ia_tcache_t *c) {
+  block_t *b = NULL;
+  for (block_t *taken; !b && (taken = _ia_tcache_evict(c, true));) {
     give_back(a, taken);
     b = _ia_find_free(a, rsize);
   }
   return b;
 }
 
-void _ia_fold_all(ia_arena_t *a) {
-  for (size_t i = 0; i < a->n_caches; i++) {
-    _ia_tcache_lock(a->caches[i]);
-    _ia_fold(a, a->caches[i]);
-    _ia_tcache_unlock(a->caches[i]);
-  }
+/* A request the arena's free blocks cannot serve takes blocks back from the threads' caches, the
+ * calling thread's own (`mine`) first, until it fits or no cache keeps any: only then may the arena
+ * grow or refuse. Taking all of them back at once would empty caches whose threads fill them again
+ * at once; in a pool grown to just what it needs, where the caches' blocks are all its slack, that
+ * happened at nearly every miss. Other threads' caches are claimed together, and only when one
+ * looks as if it had something to give. */
+block_t *_ia_find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine) {
+  block_t *b = _ia_find_free(a, rsize);
+  if (!b && mine) b = take_back_until(a, rsize, mine);
+  bool others = false;
+  for (size_t i = 0; !b && i < a->n_caches; i++) others |= a->caches[i] != mine && _ia_tcache_may_hold(a->caches[i]);
+  if (!others) return b;
+  _ia_tcache_claim(a->caches, a->n_caches);
+  for (size_t i = 0; i < a->n_caches; i++)
+    if (a->caches[i] != mine) _ia_collect(a, a->caches[i]);
+  b = _ia_find_free(a, rsize);
+  for (size_t i = 0; !b && i < a->n_caches; i++)
+    if (a->caches[i] != mine) b = take_back_until(a, rsize, a->caches[i]);
+  _ia_tcache_release(a->caches, a->n_caches);
+  return b;
+}
+
+void _ia_collect_all(ia_arena_t *a) {
+  _ia_tcache_claim(a->caches, a->n_caches);
+  for (size_t i = 0; i < a->n_caches; i++) _ia_collect(a, a->caches[i]);
+  _ia_tcache_release(a->caches, a->n_caches);
 }
 
 /* A cache past its limit: its largest free blocks come back until it is within. */
@@ -101,13 +114,12 @@ void _ia_trim(ia_arena_t *a, _ia_tcache_t *c) {
   for (block_t *b; (b = _ia_tcache_evict(c, false));) give_back(a, b);
 }
 
+/* The exiting thread's own cache: no claim. */
 void _ia_arena_cache_exit(ia_arena_t *a, _ia_tcache_t *c) {
   _ia_arena_lock(a);
-  _ia_tcache_lock(c);
   take_all_back(a, c);
   /* What the thread still has handed out is live; its frees now go through the arena's lock. */
   _ia_tcache_unlend_all(c);
-  _ia_tcache_unlock(c);
   for (size_t i = 0; i < a->n_caches; i++)
     if (a->caches[i] == c) a->caches[i] = a->caches[--a->n_caches];
   IA_DEBUG_CHECK(a);

@@ -90,16 +90,16 @@ static uint64_t largest_free_locked(const ia_arena_t *a) {
 void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
   _ia_arena_lock(a);
   uint64_t cached_bytes = 0, cached_blocks = 0, cached_largest = 0;
+  _ia_tcache_claim(a->caches, a->n_caches);
   for (size_t i = 0; i < a->n_caches; i++) {
     uint64_t bytes, blocks, largest;
-    _ia_tcache_lock(a->caches[i]);
-    _ia_fold(a, a->caches[i]);
+    _ia_collect(a, a->caches[i]);
     _ia_tcache_free_info(a->caches[i], &bytes, &blocks, &largest);
-    _ia_tcache_unlock(a->caches[i]);
     cached_bytes += bytes;
     cached_blocks += blocks;
     if (largest > cached_largest) cached_largest = largest;
   }
+  _ia_tcache_release(a->caches, a->n_caches);
   *out = a->stats;
   out->largest_free = largest_free_locked(a);
   _ia_arena_unlock(a);
@@ -111,7 +111,7 @@ void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
 
 void ia_arena_reset_peaks(ia_arena_t *a) {
   _ia_arena_lock(a);
-  _ia_fold_all(a);
+  _ia_collect_all(a);
 #define RESET(name, torch, doc) a->stats.name.peak = a->stats.name.current;
   IA_STAT_QUADS(RESET)
 #undef RESET
@@ -128,10 +128,12 @@ size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
 }
 
 /* A block a thread cache keeps is listed as the free block it is (it may neighbour another), as
- * ia_arena_stats counts it: looking does not change the arena. */
+ * ia_arena_stats counts it: looking takes back nothing a cache keeps. Like the statistics, it first
+ * completes the frees other threads made of blocks lent to a cache (collect). */
 size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
   _ia_arena_lock(a);
-  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_lock(a->caches[i]);
+  _ia_tcache_claim(a->caches, a->n_caches);
+  for (size_t i = 0; i < a->n_caches; i++) _ia_collect(a, a->caches[i]);
   size_t n = 0;
   uint32_t index = 0;
   for (region_t *r = a->regions; r; r = r->next, index++)
@@ -140,7 +142,7 @@ size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
         out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
                                    .region_base = r->base, .region = index,
                                    .is_free = b->is_free || (b->cache && b->cached), .stream = b->stream};
-  for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_unlock(a->caches[i]);
+  _ia_tcache_release(a->caches, a->n_caches);
   _ia_arena_unlock(a);
   return n;
 }

@@ -282,6 +282,8 @@ typedef struct _ia_block {
   /* Lent: whether it is a split region's block (_ia_split_free), which holds while it is lent, so
    * that the fast path counts inactive_split without reading the region's header. */
   bool split;
+  /* Lent, and freed by a thread that does not own its cache: on the cache's remote frees. */
+  bool freed_remotely;
   /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
    * arena's lock and the cache's; while lent, the fields except addr, size, region and the
    * physical links belong to the cache (its lock), and the arena neither splits nor merges the
@@ -337,8 +339,9 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
  * takes one back the same way. The arena sees a lent block as not free, so it neither hands it out
  * nor merges it until the cache gives it back: when the cache holds more free bytes than its limit
  * (largest blocks first), when a request fits nowhere else, when the thread exits, and whenever the
- * arena needs its merged free state (arena_caches.c: drain). Lock order: the registry lock (thread exit, arena destruction), then an arena's
- * lock, then its caches' locks; a cache's owner takes its cache's lock alone on the fast path. */
+ * arena needs its merged free state (arena_caches.c: drain). Lock order: the registry lock (thread
+ * exit, arena destruction), then an arena's lock, then claims on its caches; a cache's owner enters
+ * its cache alone on the fast path. */
 
 /* The fast path's counters, which the arena adds into its own under both locks (fold). */
 typedef struct {
@@ -355,7 +358,7 @@ bool _ia_arena_attach_cache(ia_arena_t *arena, _ia_tcache_t *cache);
 /* Thread exit, under the registry lock: the arena takes back everything the cache holds. */
 void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
 
-/* The fast paths of ia_arena_alloc and ia_arena_free, each with the cache's lock alone, doing all
+/* The fast paths of ia_arena_alloc and ia_arena_free, each in the cache alone, doing all
  * that the arena's lock would have (the cache's counters, the device totals, the trace), and
  * calling the arena's locked paths below for what the cache cannot serve.
  * alloc: a free block of the calling thread's cache for `size` bytes on `stream` (same stream; its
@@ -369,13 +372,25 @@ ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream);
  * bad_free: counts a refused free and returns st. */
 ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out);
 ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream);
+/* The rest of a free whose streams, totals and trace are settled: b out of the table, counted,
+ * free in the arena's classes. */
+void _ia_free_later(ia_arena_t *a, _ia_block_t *b);
 void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c);
 ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st);
 
-/* The arena's side, under the arena's lock. */
-void _ia_tcache_lock(_ia_tcache_t *c);
-void _ia_tcache_unlock(_ia_tcache_t *c);
-/* The rest also under the cache's lock. */
+/* The arena's side, under the arena's lock. A thread that touches caches other than its own claims
+ * them first (thread_cache.c: one process-wide barrier for all of them) and releases them after;
+ * its own needs no claim, and claim and release pass over it. */
+void _ia_tcache_claim(_ia_tcache_t *const *caches, size_t n);
+void _ia_tcache_release(_ia_tcache_t *const *caches, size_t n);
+bool _ia_tcache_mine(const _ia_tcache_t *c); /* the calling thread's */
+/* Whether the cache seemed to keep free blocks or remote frees a moment ago: read unclaimed. */
+bool _ia_tcache_may_hold(const _ia_tcache_t *c);
+/* A lent block handed out and freed by another thread joins the cache's remote frees, which need no
+ * claim: the owner's fast path never reads them. take_remote_frees empties the list (claimed). */
+void _ia_tcache_free_remotely(_ia_tcache_t *c, _ia_block_t *b);
+_ia_block_t *_ia_tcache_take_remote_frees(_ia_tcache_t *c);
+/* The rest with the cache claimed (or the caller's own). */
 _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c); /* returns the counts and zeroes them */
 bool _ia_tcache_lend(const ia_arena_t *a, _ia_tcache_t *c, _ia_block_t *b); /* false: b stays the arena's */
 void _ia_tcache_unlend(_ia_tcache_t *c, _ia_block_t *b);
@@ -500,13 +515,16 @@ static inline void _ia_totals_live(ia_totals_t *t, int64_t sign, int64_t bytes, 
   _ia_total_add(&t->requested, sign * requested);
   _ia_total_add(&t->blocks, sign);
 }
-static inline void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
+static inline void _ia_count_stats(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
   ia_stats_t *s = &a->stats;
   _ia_stat_add(&s->in_use, sign * bytes);
   _ia_stat_add(&s->active_bytes, sign * bytes);
   _ia_stat_add(&s->requested, sign * requested);
   _ia_stat_add(&s->blocks, sign);
   _ia_stat_add(&s->active, sign);
+}
+static inline void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
+  _ia_count_stats(a, sign, bytes, requested);
   _ia_totals_live(a->totals, sign, bytes, requested);
 }
 void _ia_count_capacity(ia_arena_t *a, int64_t bytes);
@@ -548,9 +566,11 @@ ia_status_t _ia_reserve_range(ia_arena_t *a);
 ia_status_t _ia_grow_mapped(ia_arena_t *a, size_t size);
 uint64_t _ia_release_mapped(ia_arena_t *a);
 void _ia_unmap_all(ia_arena_t *a);
-/* arena_caches.c (the cache's lock held where a cache is named) */
+/* arena_caches.c (a cache named is claimed, or the caller's own). collect: fold, then give back
+ * the cache's remote frees; collect_all claims every cache to do so. */
 void _ia_fold(ia_arena_t *a, _ia_tcache_t *c);
-void _ia_fold_all(ia_arena_t *a);
+void _ia_collect(ia_arena_t *a, _ia_tcache_t *c);
+void _ia_collect_all(ia_arena_t *a);
 void _ia_drain(ia_arena_t *a);
 void _ia_trim(ia_arena_t *a, _ia_tcache_t *c);
 _ia_block_t *_ia_find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine);

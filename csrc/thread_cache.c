@@ -2,8 +2,8 @@
  *
  * Why. Every allocation and free took the arena's one mutex; four threads sharing an arena spent
  * their time waiting for it, and even one thread paid a third of its time for the uncontended
- * lock. A cache lets the common case,
- * a thread freeing what it allocated and allocating again on the same stream, skip the arena.
+ * lock. A cache lets the common case, a thread freeing what it allocated and allocating again on the
+ * same stream, skip the arena.
  *
  * What a cache holds. Every block a thread allocates from the arena (of block_max bytes or less)
  * is lent to that thread's cache: the cache's table knows it, so the thread's own free of it finds
@@ -11,9 +11,9 @@
  * arena's size classes) and remembering the stream it was freed on; the thread's next allocation of
  * that class on that stream takes it back (stream order protects a block reused by its own stream,
  * so no event is needed); when the class has none, one of the next two classes up does, so a block
- * handed out is less than 3/32 larger than asked. A block with other streams recorded on it, a
- * block freed by another thread, and anything the cache cannot serve go to the arena under its
- * lock as before (arena.c).
+ * handed out is less than 3/32 larger than asked. A block with other streams recorded on it and
+ * anything the cache cannot serve go to the arena under its lock as before (arena.c); a block freed
+ * by another thread joins the cache's remote frees (thread_cache_claims.c).
  *
  * Giving back. The arena takes free blocks out of a cache (evict, largest first, since large
  * blocks are the least likely to be asked for again at their exact class and hold the most memory)
@@ -22,12 +22,12 @@
  * and whenever the arena needs its merged free state (drain). Until then a cached block is free
  * but merges with no neighbour.
  *
- * Locks. A cache's lock is a spinlock its own thread takes on every fast operation; anyone else
- * takes it only while holding the arena's lock, which the fast path never waits for while holding
- * the cache's, so the order is always arena, then cache. The registry lock orders thread exit
- * against arena destruction: an exiting thread may only follow its cache's arena pointer while the
- * arena cannot be destroyed, and a destroyed arena orphans its caches (arena pointer NULL, blocks
- * forgotten) for their threads to free. The fast path takes neither.
+ * Locks. The owner enters its cache on the fast path without an atomic read-modify-write; any
+ * other thread claims the cache first, holding the arena's lock (thread_cache_claims.c). The
+ * registry lock orders thread exit against arena destruction: an exiting thread may only follow its
+ * cache's arena pointer while the arena cannot be destroyed, and a destroyed arena orphans its
+ * caches (arena pointer NULL, blocks forgotten) for their threads to free. The fast path takes
+ * neither.
  */
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -36,7 +36,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "thread_cache.h"
 
 /* Blocks looked at on one class list per allocation: the list mixes streams and sizes of a class. */
 #define SCAN_LIMIT 8
@@ -49,20 +49,6 @@
  * that a thread hovering at a limit does not take the arena's lock on every free. */
 #define MAX_BLOCKS 1024
 #define FULL_BLOCKS (MAX_BLOCKS + MAX_BLOCKS / 4)
-
-struct _ia_tcache {
-  _Atomic int lock;
-  ia_arena_t *_Atomic arena; /* NULL once the arena is destroyed */
-  _ia_table_t lent;          /* every block lent to the cache, free in it or handed out */
-  size_t limit, full_bytes, block_max;
-  unsigned fl_count;         /* classes 0 .. fl_count - 1 of the first level exist */
-  uint64_t free_bytes, free_blocks;
-  _ia_tcache_counts_t counts;
-  _ia_tcache_t *next;        /* the thread's caches */
-  uint64_t fl_map;
-  uint32_t *sl_map;          /* [fl], and a last one always 0: a row's next one can be read */
-  _ia_block_t **heads;       /* [fl * IA_SL_COUNT + sl]: newest first */
-};
 
 /* The calling thread's caches, one per arena it allocated from. */
 static __thread struct {
@@ -78,18 +64,15 @@ static pthread_once_t exit_key_once = PTHREAD_ONCE_INIT;
 void _ia_tcache_registry_lock(void) { pthread_mutex_lock(&registry); }
 void _ia_tcache_registry_unlock(void) { pthread_mutex_unlock(&registry); }
 
-/* Contended only by a drain or an exit of another thread, which are short; yields so that an
- * oversubscribed machine lets the holder run. */
-void _ia_tcache_lock(_ia_tcache_t *c) {
-  unsigned spins = 0;
-  while (atomic_exchange_explicit(&c->lock, 1, memory_order_acquire))
-    while (atomic_load_explicit(&c->lock, memory_order_relaxed)) {
-      if (++spins < 64) _ia_cpu_relax();
-      else sched_yield();
-    }
-}
+bool _ia_tcache_mine(const _ia_tcache_t *c) { return c->owner == &mine; }
 
-void _ia_tcache_unlock(_ia_tcache_t *c) { atomic_store_explicit(&c->lock, 0, memory_order_release); }
+/* The owner's entry once enter failed: waits for the claim to end. */
+static void enter_waiting(_ia_tcache_t *c) {
+  unsigned spins = 0;
+  while (!_ia_tcache_enter(c))
+    while (atomic_load_explicit(c->asymmetric ? &c->claimed : &c->busy, memory_order_relaxed))
+      _ia_tcache_back_off(&spins);
+}
 
 /* ---- class lists ---------------------------------------------------------------------------- */
 
@@ -106,7 +89,7 @@ static inline void list_push(_ia_tcache_t *c, _ia_block_t *b) {
   c->fl_map |= 1ull << b->fl;
   c->sl_map[b->fl] |= 1u << b->sl;
   c->free_bytes += b->size;
-  c->free_blocks++;
+  __atomic_store_n(&c->free_blocks, c->free_blocks + 1, __ATOMIC_RELAXED); /* may_hold reads it unclaimed */
 }
 
 /* Takes b out of list i, where it follows prev (NULL: b is the head). */
@@ -119,7 +102,7 @@ static inline void list_unlink(_ia_tcache_t *c, size_t i, _ia_block_t *b, _ia_bl
   }
   b->free_next = NULL;
   c->free_bytes -= b->size;
-  c->free_blocks--;
+  __atomic_store_n(&c->free_blocks, c->free_blocks - 1, __ATOMIC_RELAXED);
 }
 
 /* ---- the fast path -------------------------------------------------------------------------- */
@@ -205,7 +188,7 @@ static inline uint64_t lists_held(const _ia_tcache_t *c, unsigned fl, unsigned s
   return (rows >> sl) & (fl ? (1u << (CLASSES_UP + 1)) - 1 : 1);
 }
 
-/* Hands out b, taken from list i where it follows prev, and unlocks the cache. Always inlined, as
+/* Hands out b, taken from list i where it follows prev, and leaves the cache. Always inlined, as
  * put below: gcc kept each out of line for its two callers, and take's eight arguments then went
  * through the stack on the fast path. */
 static inline __attribute__((always_inline)) ia_status_t take(ia_arena_t *a, _ia_tcache_t *c, size_t i,
@@ -219,14 +202,14 @@ static inline __attribute__((always_inline)) ia_status_t take(ia_arena_t *a, _ia
   _ia_delta_inc(&k->requested, size);
   _ia_delta_inc(&k->blocks, 1);
   count_split(k, b, false);
-  _ia_tcache_unlock(c);
+  _ia_tcache_leave(c);
   /* Handed out to this caller alone: its fields are stable to read. */
   *out = (void *)b->addr;
   return after_op(a, IA_TRACE_ALLOC, b->addr, size, b->size, size, stream);
 }
 
-/* An allocation with the cache locked, looking at every list it may take from: what the fast path
- * hands over when the first list's head does not serve the request, or its lock was taken. */
+/* An allocation inside the cache, looking at every list it may take from: what the fast path hands
+ * over when the first list's head does not serve the request, or the cache was claimed. */
 static __attribute__((noinline)) ia_status_t alloc_scanning(ia_arena_t *a, _ia_tcache_t *c, size_t size,
                                                             ia_stream_t stream, void **out) {
   size_t rsize = _ia_align_up(size, a->opts.alignment);
@@ -235,13 +218,13 @@ static __attribute__((noinline)) ia_status_t alloc_scanning(ia_arena_t *a, _ia_t
   size_t i = (size_t)fl * IA_SL_COUNT + sl;
   _ia_block_t *prev = NULL, *b = scan_held(c, &i, lists_held(c, fl, sl), rsize, stream, &prev);
   if (b) return take(a, c, i, b, prev, size, stream, out);
-  _ia_tcache_unlock(c);
+  _ia_tcache_leave(c);
   return _ia_alloc_locked(a, size, stream, c, out);
 }
 
 static __attribute__((noinline)) ia_status_t alloc_contended(ia_arena_t *a, _ia_tcache_t *c, size_t size,
                                                              ia_stream_t stream, void **out) {
-  _ia_tcache_lock(c);
+  enter_waiting(c);
   return alloc_scanning(a, c, size, stream, out);
 }
 
@@ -259,11 +242,11 @@ ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, voi
   unsigned fl, sl;
   _ia_class_of(rsize, &fl, &sl);
   if (fl >= c->fl_count) return _ia_alloc_locked(a, size, stream, c, out);
-  if (__builtin_expect(atomic_exchange_explicit(&c->lock, 1, memory_order_acquire), 0))
+  if (__builtin_expect(!_ia_tcache_enter(c), 0))
     return alloc_contended(a, c, size, stream, out);
   uint64_t held = lists_held(c, fl, sl);
   if (!held) {
-    _ia_tcache_unlock(c);
+    _ia_tcache_leave(c);
     return _ia_alloc_locked(a, size, stream, c, out);
   }
   /* The common case: the first list that holds a block, its newest block. */
@@ -281,16 +264,16 @@ static __attribute__((noinline)) ia_status_t free_trimming(ia_arena_t *a, _ia_tc
   return IA_OK;
 }
 
-/* A free with the cache locked. */
+/* A free inside the cache. */
 static inline __attribute__((always_inline)) ia_status_t put(ia_arena_t *a, _ia_tcache_t *c, void *ptr,
                                                              ia_stream_t stream) {
   _ia_block_t *b = _ia_table_find(&c->lent, (uintptr_t)ptr, NULL);
-  if (!b || b->n_uses) { /* not lent to this cache, or other streams recorded on it */
-    _ia_tcache_unlock(c);
+  if (!b || b->n_uses || b->freed_remotely) { /* not lent here, other streams recorded on it, or freed */
+    _ia_tcache_leave(c);
     return _ia_free_locked(a, ptr, stream);
   }
   if (b->cached) {
-    _ia_tcache_unlock(c);
+    _ia_tcache_leave(c);
     return _ia_bad_free(a, IA_ERR_DOUBLE_FREE);
   }
   if (stream != IA_STREAM_NONE) b->stream = stream; /* else: the stream it was allocated on */
@@ -305,26 +288,26 @@ static inline __attribute__((always_inline)) ia_status_t put(ia_arena_t *a, _ia_
   ia_stream_t freed_on = b->stream;
   list_push(c, b);
   bool full = c->free_bytes > c->full_bytes || c->free_blocks > FULL_BLOCKS;
-  _ia_tcache_unlock(c);
+  _ia_tcache_leave(c);
   if (__builtin_expect(full, 0)) return free_trimming(a, c, (uintptr_t)ptr, size, requested, freed_on);
   return after_op(a, IA_TRACE_FREE, (uintptr_t)ptr, size, size, requested, freed_on);
 }
 
 static __attribute__((noinline)) ia_status_t free_contended(ia_arena_t *a, _ia_tcache_t *c, void *ptr,
                                                             ia_stream_t stream) {
-  _ia_tcache_lock(c);
+  enter_waiting(c);
   return put(a, c, ptr, stream);
 }
 
 ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_tcache_t *c = find_mine(a);
   if (!c) return _ia_free_locked(a, ptr, stream);
-  if (__builtin_expect(atomic_exchange_explicit(&c->lock, 1, memory_order_acquire), 0))
+  if (__builtin_expect(!_ia_tcache_enter(c), 0))
     return free_contended(a, c, ptr, stream);
   return put(a, c, ptr, stream);
 }
 
-/* ---- the arena's side (its lock and the cache's held) --------------------------------------- */
+/* ---- the arena's side (its lock held, the cache claimed or the caller's) -------------------- */
 
 _ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c) {
   _ia_tcache_counts_t k = c->counts;
@@ -391,7 +374,9 @@ void _ia_tcache_orphan(_ia_tcache_t *c) {
   c->lent = (_ia_table_t){0};
   memset(c->heads, 0, (size_t)c->fl_count * IA_SL_COUNT * sizeof *c->heads);
   memset(c->sl_map, 0, (c->fl_count + 1) * sizeof *c->sl_map);
-  c->fl_map = c->free_bytes = c->free_blocks = 0;
+  c->fl_map = c->free_bytes = 0;
+  __atomic_store_n(&c->free_blocks, 0, __ATOMIC_RELAXED);
+  c->remote_frees = NULL;
   atomic_store(&c->arena, NULL);
 }
 
@@ -419,7 +404,8 @@ bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len) {
               "block %#lx on a thread cache's list is not free in that cache", (unsigned long)b->addr);
         CHECK(bfl == fl && bsl == sl && b->fl == fl && b->sl == sl && b->size <= c->block_max,
               "block %#lx filed in the wrong class of a thread cache", (unsigned long)b->addr);
-        CHECK(!b->free_prev, "block %#lx on a thread cache's list has a back link", (unsigned long)b->addr);
+        CHECK(!b->free_prev && !b->freed_remotely, "block %#lx on a thread cache's list has a back link or was "
+              "freed by another thread", (unsigned long)b->addr);
         CHECK(_ia_tcache_holds(c, b), "free block %#lx of a thread cache is missing from its table",
               (unsigned long)b->addr);
         bytes += b->size;
@@ -427,6 +413,9 @@ bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len) {
       }
     }
   CHECK(bytes == c->free_bytes && blocks == c->free_blocks, "a thread cache's free counters are off");
+  for (const _ia_block_t *b = c->remote_frees; b; b = b->free_next)
+    CHECK(b->cache == c && b->freed_remotely && !b->cached && _ia_tcache_holds(c, b),
+          "block %#lx on a thread cache's remote frees is not a handed-out block of it", (unsigned long)b->addr);
   size_t lent = 0;
   for (size_t i = 0; c->lent.slots && i <= c->lent.mask; i++)
     if (c->lent.slots[i]) {
@@ -464,7 +453,7 @@ static void thread_exit(void *unused) {
 static void make_exit_key(void) { exit_key_made = pthread_key_create(&exit_key, thread_exit) == 0; }
 
 /* Frees this thread's caches whose arenas were destroyed. Their destruction set the arena pointer
- * under the cache's lock; taking and dropping that lock waits for it to be done with the cache. */
+ * with the cache claimed; entering and leaving waits for it to be done with the cache. */
 static void forget_orphans(void) {
   for (_ia_tcache_t **link = &mine.caches; *link;) {
     _ia_tcache_t *c = *link;
@@ -472,8 +461,8 @@ static void forget_orphans(void) {
       link = &c->next;
       continue;
     }
-    _ia_tcache_lock(c);
-    _ia_tcache_unlock(c);
+    enter_waiting(c);
+    _ia_tcache_leave(c);
     *link = c->next;
     free_cache(c);
   }
@@ -495,6 +484,8 @@ static __attribute__((noinline)) _ia_tcache_t *make(ia_arena_t *a) {
   c->heads = (_ia_block_t **)(c + 1);
   c->sl_map = (uint32_t *)(c->heads + lists);
   c->fl_count = fl + 1;
+  c->owner = &mine;
+  c->asymmetric = _ia_tcache_asymmetric();
   c->limit = limit;
   c->full_bytes = limit + limit / 4;
   c->block_max = block_max;

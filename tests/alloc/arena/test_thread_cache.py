@@ -2,6 +2,9 @@
 order, frees from other threads, thread exit, and what must take cached blocks back. The threaded
 C harnesses are in tests/csrc/test_harnesses.py."""
 
+import ctypes
+import platform
+import sys
 import threading
 import time
 
@@ -13,6 +16,8 @@ from alloc._core import ffi, lib
 
 KiB, MiB = 1 << 10, 1 << 20
 S1, S2 = 1, 2
+MEMBARRIER_SYSCALL = {"x86_64": 324, "aarch64": 283}
+MEMBARRIER_PRIVATE_EXPEDITED = 1 << 3
 
 
 def cached_arena(capacity=MiB, **kw):
@@ -196,6 +201,56 @@ def test_blocks_allocated_on_one_thread_free_on_another():
         for b in left:  # and the owner's last blocks, allocated by a thread that has ended
             a.free(b.address)
         assert one_free_block(a)
+
+
+def test_a_block_freed_by_another_thread_is_free_at_once_and_refused_a_second_time():
+    """Another thread's free of a block lent to a cache waits on the cache's remote frees for the
+    arena to complete it; from outside it is free at once, and every second free is refused: the
+    owner's first (before anything completes the frees), then the freeing thread's."""
+    with cached_arena(4 * MiB) as a:
+        allocated, freed = threading.Event(), threading.Event()
+        ps, refused = [], []
+
+        def owner():
+            ps.extend(a.allocate(size) for size in (512, 48 * KiB, 400 * KiB))
+            allocated.set()
+            assert freed.wait(timeout=60)
+            a.check()  # the walk sees them waiting on the cache's remote frees, and completes none
+            for p in ps:
+                try:
+                    a.free(p)
+                except DoubleFree:  # its message looks at the arena, which completes the frees
+                    refused.append(p)
+
+        t = threading.Thread(target=owner)
+        t.start()
+        assert allocated.wait(timeout=60)
+        for p in ps:
+            a.free(p)
+        freed.set()
+        t.join()
+        assert refused == ps
+        for p in ps:
+            with pytest.raises(DoubleFree):
+                a.free(p)
+            with pytest.raises(DoubleFree):
+                a.record_stream(p, S2)
+        s = a.stats()
+        assert s["in_use"] == 0 and s["blocks"] == 0 and s["bad_frees"] == 2 * len(ps)
+        a.check()
+        assert one_free_block(a)
+
+
+def test_the_cache_protocol_is_the_barrier_where_linux_offers_it():
+    """A cache's owner enters it with a store and a load where membarrier's private expedited
+    command exists, and with an atomic exchange elsewhere (csrc/thread_cache_claims.c)."""
+    expected = "exchange"
+    if sys.platform == "linux" and platform.machine() in MEMBARRIER_SYSCALL:
+        libc = ctypes.CDLL(None, use_errno=True)
+        commands = libc.syscall(MEMBARRIER_SYSCALL[platform.machine()], 0, 0, 0)  # MEMBARRIER_CMD_QUERY
+        if commands > 0 and commands & MEMBARRIER_PRIVATE_EXPEDITED:
+            expected = "membarrier"
+    assert ffi.string(lib.ia_thread_cache_protocol()).decode() == expected
 
 
 def test_a_thread_gives_its_cached_blocks_back_when_it_ends():
