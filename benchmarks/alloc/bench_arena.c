@@ -14,7 +14,10 @@
  *        prints one line "allocator threads ns_per_pair" per repeat;
  *        bench_arena clock
  *        prints the core's clock in GHz, timed over a chain of dependent register additions (one a
- *        cycle), or "-" where that cannot be measured, so that hosts can be compared in cycles. */
+ *        cycle), or "-" where that cannot be measured, so that hosts can be compared in cycles;
+ *        bench_arena protocol
+ *        prints how thread caches keep their owner and other threads apart in this process
+ *        (ia_thread_cache_protocol). */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -132,12 +135,13 @@ static int print_clock(void) {
 
 int main(int argc, char **argv) {
   if (argc == 2 && !strcmp(argv[1], "clock")) return print_clock();
+  if (argc == 2 && !strcmp(argv[1], "protocol")) return printf("protocol %s\n", ia_thread_cache_protocol()) < 0;
   int use_arena = -1;
   for (int k = 0; argc >= 5 && k < KINDS; k++)
     if (!strcmp(argv[1], names[k])) use_arena = k;
   if ((argc != 5 && argc != 6) || use_arena < 0) {
     fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n"
-            "       %s clock\n", argv[0], argv[0]);
+            "       %s clock|protocol\n", argv[0], argv[0]);
     return 2;
   }
   int threads = atoi(argv[2]);

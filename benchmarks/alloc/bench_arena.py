@@ -92,6 +92,11 @@ def clock_ghz(exe: pathlib.Path) -> float | None:
     return None if word == "-" else float(word)
 
 
+def cache_protocol(exe: pathlib.Path) -> str:
+    """How the thread caches' owners and other threads keep apart here: membarrier or exchange."""
+    return subprocess.run([str(exe), "protocol"], check=True, capture_output=True, text=True).stdout.split()[1]
+
+
 def measure(exe: pathlib.Path, threads: int, args) -> dict:
     """Every allocator's median over the repeats, each run a process of its own, the order
     rotated every repeat."""
@@ -117,6 +122,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(pathlib.Path(tmp))
         ghz = clock_ghz(exe)
+        protocol = cache_protocol(exe)
         results = [measure(exe, threads, args) for threads in (1, 4)]
     harness.table(f"alloc+free pair, median of {args.repeats} runs of {args.pairs:,} pairs per thread",
                   ("threads", f"arena ns/pair ({args.thread_cache_mib} MiB thread caches)",
@@ -136,9 +142,10 @@ def main() -> None:
     checked = goals(results)
     for g in checked:
         harness.goal(g["goal"], g["met"], g["shown"])
-    m = {**machine(), "clock_ghz": ghz}
+    m = {**machine(), "clock_ghz": ghz, "cache_protocol": protocol}
     clock = f"{ghz:.2f} GHz (dependent additions)" if ghz else "not measured"
-    print(f"machine: {m['cpu']}, {m['cores']} cores, clock {clock}; compiler: {m['compiler']}")
+    print(f"machine: {m['cpu']}, {m['cores']} cores, clock {clock}; compiler: {m['compiler']}; "
+          f"thread caches: {protocol}")
     if m["cores"] and m["cores"] < 4:
         print(f"note: {m['cores']} cores, so 4 threads oversubscribe the machine (every allocator waits for a core)")
     harness.write_json(args.json, {"machine": m, "thread_cache_mib": args.thread_cache_mib,

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from alloc._core import ffi, lib
 from benchmarks.alloc import bench_arena
 from tests.support import ROOT
 
@@ -190,6 +191,8 @@ def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
                                                four["arena_ns"] / four["malloc_ns"] <= bench_arena.FOUR_THREADS_RATIO]
     ghz = res["machine"]["clock_ghz"]
     assert ghz is None or 0.3 < ghz <= 7.0
+    assert res["machine"]["cache_protocol"] == ffi.string(lib.ia_thread_cache_protocol()).decode()
+    assert f"thread caches: {res['machine']['cache_protocol']}" in proc.stdout
     assert "goal: 1 thread: arena <= 50 ns per pair" in proc.stdout
     glibc = one["runs"]["malloc"]
     assert f"malloc {min(glibc):.1f}-{max(glibc):.1f}" in proc.stdout
