@@ -13,8 +13,15 @@ Cases: the arena with 16 MiB thread caches at one and four threads, with 64 MiB 
 thread (nearly every request served by the cache: the fast path alone), without caches at one
 thread (the locked path), and glibc malloc at one and four threads, built with the first core.
 The goals are bench_arena.py's, judged for each core on its medians.
+
+Then the one-thread cases with 16 and 64 MiB caches again, every core in one process
+(bench_cores.c: each core a shared library, the cores alternated every --pairs / 8 pairs, --rounds
+times 8): where a host runs each process at one of two speeds, the processes' medians can move by
+more than a change is worth, while ratios taken within one process see the same speed on both
+sides. Those figures compare cores; bench_arena.c's are the ones the goals are judged on.
 """
 
+import os
 import pathlib
 import statistics
 import subprocess
@@ -26,13 +33,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root
 
 from benchmarks import harness  # noqa: E402
-from benchmarks.alloc.bench_arena import build, goals, machine  # noqa: E402
+from benchmarks.alloc.bench_arena import build, compiler, goals, machine  # noqa: E402
 
 # (case, allocator, threads, pairs divisor, thread cache MiB)
 CASES = (("1 thread", "arena", 1, 1, 16), ("4 threads", "arena", 4, 2, 16), ("1 thread, 64 MiB", "arena", 1, 1, 64),
          ("1 thread, no caches", "locked", 1, 2, 16))
 GLIBC = (("glibc, 1 thread", "malloc", 1, 1, 16), ("glibc, 4 threads", "malloc", 4, 2, 16))
 FILES = ("csrc", "benchmarks/alloc/bench_arena.c")
+# (case, thread cache MiB) run in one process; every core's library is built with initial-exec
+# thread-local storage, as near as a shared library comes to bench_arena's static link, which
+# needs room in the static TLS block for all of them.
+IN_ONE_PROCESS = (("1 thread, one process", 16), ("1 thread, 64 MiB, one process", 64))
+SLICES = 8
+TUNABLE = "glibc.rtld.optional_static_tls=1048576"
+BENCH_CORES = ROOT / "benchmarks" / "alloc" / "bench_cores.c"
 
 
 def fail(message: str) -> NoReturn:
@@ -76,6 +90,34 @@ def run(label: str, exe: pathlib.Path, allocator: str, threads: int, pairs: int,
     return float(done.stdout.split()[2])
 
 
+def build_in_one_process(out: pathlib.Path, trees: list[pathlib.Path]) -> list[pathlib.Path]:
+    """bench_cores.c's driver into ``out``, then one shared library for each tree, in order."""
+    flags = ["-O2", "-std=gnu11", "-pthread"]
+    subprocess.run([*compiler(), *flags, f"-I{ROOT / 'csrc'}", str(BENCH_CORES), "-ldl", "-o",
+                    str(out / "bench_cores")], check=True)
+    libraries = []
+    for k, tree in enumerate(trees):
+        library = out / f"core-{k}.so"
+        subprocess.run([*compiler(), *flags, "-fPIC", "-shared", "-fvisibility=hidden", "-ftls-model=initial-exec",
+                        "-DBENCH_CORES_LIBRARY", f"-I{tree / 'csrc'}", str(BENCH_CORES),
+                        *map(str, sorted((tree / "csrc").glob("*.c"))), "-ldl", "-o", str(library)], check=True)
+        libraries.append(library)
+    return [out / "bench_cores", *libraries]
+
+
+def run_in_one_process(programs: list[pathlib.Path], rounds: int, pairs: int, cache_mib: int) -> list[list[float]]:
+    """Each round's ns per pair, one list per core."""
+    env = dict(os.environ)
+    env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), TUNABLE)))
+    exe, *libraries = programs
+    done = subprocess.run([str(exe), str(rounds), str(pairs), str(cache_mib), *map(str, libraries)],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        fail(f"bench_cores failed (exit {done.returncode}): {' '.join(done.stderr.split())[-300:]}")
+    per_round = [[float(x) for x in line.split()[2:]] for line in done.stdout.splitlines()]
+    return [list(core) for core in zip(*per_round)]
+
+
 def main() -> None:
     parser = harness.parser(__doc__, rounds=8, rounds_help="passes over every case and core, alternated")
     parser.add_argument("cores", nargs="+", metavar="LABEL=SOURCE")
@@ -90,15 +132,20 @@ def main() -> None:
         fail(f"every core needs a label of its own, got {', '.join(labels)}")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        exes = {}
+        exes, trees = {}, []
         for label, source in cores:
             out = tmp / f"build-{len(exes)}"
             out.mkdir()
+            trees.append(tree(source, tmp / f"tree-{len(exes)}"))
             try:
-                exes[label] = build(out, tree(source, tmp / f"tree-{len(exes)}"))
+                exes[label] = build(out, trees[-1])
             except subprocess.CalledProcessError:
                 fail(f"{label} ({source}): bench_arena.c did not build against its csrc/ (the compiler's "
                      "errors are above)")
+        try:
+            in_one = build_in_one_process(tmp, trees)
+        except subprocess.CalledProcessError:
+            fail("a core did not build as bench_cores.c's shared library (the compiler's errors are above)")
         jobs = [(name, label, alloc, threads, pairs, mib) for name, alloc, threads, pairs, mib in CASES
                 for label in labels]
         jobs += [(name, labels[0], alloc, threads, pairs, mib) for name, alloc, threads, pairs, mib in GLIBC]
@@ -107,9 +154,13 @@ def main() -> None:
             for k in range(len(jobs)):
                 name, label, alloc, threads, pairs, mib = jobs[(r + k) % len(jobs)]
                 times[name, label].append(run(label, exes[label], alloc, threads, args.pairs // pairs, mib))
+        for name, mib in IN_ONE_PROCESS:
+            runs = run_in_one_process(in_one, args.rounds * SLICES, max(1, args.pairs // SLICES), mib)
+            for label, t in zip(labels, runs):
+                times[name, label] = t
     first = labels[0]
     rows, results = [], []
-    for name, *_ in CASES:
+    for name, *_ in (*CASES, *IN_ONE_PROCESS):
         base = times[name, first]
         for label in labels:
             t = times[name, label]
@@ -122,7 +173,8 @@ def main() -> None:
         t = times[name, first]
         results.append({"case": name, "core": "glibc", "median_ns": statistics.median(t), "runs": t})
         rows.append((name, "glibc", f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}", ""))
-    harness.table(f"alloc+free pair, {args.rounds} rounds, cores alternated",
+    harness.table(f"alloc+free pair, {args.rounds} rounds, cores alternated (in one process: "
+                  f"{args.rounds * SLICES} slices of {max(1, args.pairs // SLICES):,} pairs)",
                   ("case", "core", "median ns/pair", "range", f"median ratio to {first}"), rows)
     glibc4 = statistics.median(times["glibc, 4 threads", first])
     judged = []

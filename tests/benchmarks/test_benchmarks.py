@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from alloc._core import ffi, lib
-from benchmarks.alloc import bench_arena
+from benchmarks.alloc import bench_arena, compare_cores
 from tests.support import ROOT
 
 
@@ -201,7 +201,8 @@ def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
 
 def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path):
     """Two cores, one from git (HEAD) and one from a directory (the working tree), at toy sizes:
-    every case runs once a round for each core, ratios are taken against the first core, and the
+    every case runs once a round for each core (the cases in one process once a slice, the cores'
+    libraries loaded side by side), ratios are taken against the first core within a round, and the
     goals are judged for each core on its own medians."""
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
@@ -213,11 +214,15 @@ def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path
     res = json.loads(out.read_text())
     by = {(r["case"], r["core"]): r for r in res["results"]}
     assert {core for _, core in by} == {"head", "tree", "glibc"}
-    assert all(len(r["runs"]) == 2 and min(r["runs"]) > 0 for r in res["results"])
+    in_one = {name for name, _ in compare_cores.IN_ONE_PROCESS}
+    assert in_one <= {case for case, _ in by}
+    assert all(len(r["runs"]) == (2 * compare_cores.SLICES if r["case"] in in_one else 2) and min(r["runs"]) > 0
+               for r in res["results"])
     assert all(by[case, "head"]["median_ratio_to_first"] == 1.0 for case, core in by if core == "head")
-    one = by["1 thread", "tree"]
-    assert one["median_ratio_to_first"] == pytest.approx(
-        statistics.median(t / h for t, h in zip(one["runs"], by["1 thread", "head"]["runs"])))
+    for case in ("1 thread", "1 thread, one process"):  # ratios within a round (a slice of one process)
+        one = by[case, "tree"]
+        assert one["median_ratio_to_first"] == pytest.approx(
+            statistics.median(t / h for t, h in zip(one["runs"], by[case, "head"]["runs"])))
     glibc4 = by["glibc, 4 threads", "glibc"]["median_ns"]
     assert [(g["one_thread_met"], g["four_threads_met"]) for g in res["goals"]] == [
         (by["1 thread", c]["median_ns"] <= bench_arena.ONE_THREAD_NS,
