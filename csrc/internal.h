@@ -285,8 +285,8 @@ typedef struct _ia_block {
   /* Lent, and freed by a thread that does not own its cache: on the cache's remote frees. */
   bool freed_remotely;
   /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
-   * arena's lock and the cache's; while lent, the fields except addr, size, region and the
-   * physical links belong to the cache (its lock), and the arena neither splits nor merges the
+   * arena's lock with the cache claimed (or by its owner); while lent, the fields except addr, size,
+   * region and the physical links belong to the cache, and the arena neither splits nor merges the
    * block (a mapped arena's cut and join rename the region of every block of a stretch). */
   _ia_tcache_t *cache;
   _ia_region_t *region;
@@ -343,7 +343,7 @@ void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
  * exit, arena destruction), then an arena's lock, then claims on its caches; a cache's owner enters
  * its cache alone on the fast path. */
 
-/* The fast path's counters, which the arena adds into its own under both locks (fold). */
+/* The fast path's counters, which the arena adds into its own with the cache claimed (fold). */
 typedef struct {
   /* Changes since the last fold, counted from zero (a peak is the most the change reached); active
    * blocks and bytes move with blocks and in_use. */
@@ -379,7 +379,7 @@ void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c);
 ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st);
 
 /* The arena's side, under the arena's lock. A thread that touches caches other than its own claims
- * them first (thread_cache.c: one process-wide barrier for all of them) and releases them after;
+ * them first (thread_cache_claims.c: one process-wide barrier for all of them) and releases them after;
  * its own needs no claim, and claim and release pass over it. */
 void _ia_tcache_claim(_ia_tcache_t *const *caches, size_t n);
 void _ia_tcache_release(_ia_tcache_t *const *caches, size_t n);

@@ -31,7 +31,6 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
