@@ -7,8 +7,8 @@
 #                           [indexer-goals] [topk] [replay] [tp]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
-# runs tests-graphs, tests-scoped and tests-indexer four at a time; tests-alloc runs one test at a
-# time whatever XDIST says)
+# runs tests-graphs, tests-scoped and tests-indexer four at a time, then their device_wide tests
+# alone; tests-alloc runs one test at a time whatever XDIST says)
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/alloc/tp_seed.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +21,26 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export INDEXER_ARENA_CACHE=/tmp/indexer-arena-cache
 py=python3
 status=0
+
+# pytest_stage NAME MARKERS FILES...: pytest over FILES for the tests MARKERS selects ("" for all),
+# XDIST's processes side by side, then the tests marked device_wide one at a time with no other
+# test process on the device (they read its free memory, which other processes move)
+pytest_stage() {
+  local name=$1 markers=$2; shift 2
+  if [ -z "${XDIST:-}" ]; then
+    step "$name" $py -m pytest -q -rA -p no:cacheprovider ${markers:+-m "$markers"} "$@"
+    return
+  fi
+  step "$name" $py -m pytest -q -rA -p no:cacheprovider $XDIST -m "${markers:+($markers) and }not device_wide" "$@"
+  step "${name}_alone" pytest_or_none -m "${markers:+($markers) and }device_wide" "$@"
+}
+
+pytest_or_none() {  # pytest, where selecting no test is not a failure (exit 5)
+  $py -m pytest -q -rA -p no:cacheprovider "$@"
+  local rc=$?
+  [ $rc -eq 5 ] && rc=0
+  return $rc
+}
 
 step() {  # step NAME COMMAND...: runs, logs to $OUT/NAME.log, remembers a failure
   local name=$1; shift
@@ -50,13 +70,13 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     setup) setup ;;
     tests-alloc) step gpu_tests_alloc $py -m pytest -q -rA -m gpu -p no:cacheprovider \
                    tests/alloc/plugin/test_expandable.py ;;  # one process at a time: some fill the device
-    tests-graphs) step gpu_tests_graphs $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} \
-                    tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py tests/alloc/plugin/test_memory_stats.py ;;
-    tests-scoped) step gpu_tests_scoped $py -m pytest -q -rA -p no:cacheprovider ${XDIST:-} \
+    tests-graphs) pytest_stage gpu_tests_graphs gpu tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py \
+                    tests/alloc/plugin/test_memory_stats.py ;;
+    tests-scoped) pytest_stage gpu_tests_scoped "" \
                     tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py tests/alloc/plugin/test_cpu.py \
                     tests/alloc/test_unified.py "tests/arena_tools/test_replay.py::test_gpu_side_by_side" \
                     "tests/indexer/test_prefill.py::test_prefill_same_indices_with_and_without_the_arena" ;;
-    tests-indexer) step gpu_tests_indexer $py -m pytest -q -rA -m gpu -p no:cacheprovider ${XDIST:-} tests/indexer ;;
+    tests-indexer) pytest_stage gpu_tests_indexer gpu tests/indexer ;;
     alloc-bench)
       step seed_workload $py examples/seed_workload.py --json "$OUT/seed_workload.json"
       step torch_alloc $py benchmarks/alloc/bench_torch_alloc.py --json "$OUT/torch_alloc.json"

@@ -62,6 +62,7 @@ print(json.dumps({"ws": inside(ws), "nested": inside(nested), "plain": inside(pl
     assert out["ws_in_use"] >= 3000 * 1000 * 4
 
 
+@pytest.mark.device_wide
 def test_growing_workspace_requests_never_call_cudaMalloc_again():
     out = run("""
 alloc.install(alloc.Config(budget_mb=128))
@@ -118,6 +119,7 @@ print(json.dumps({"err": err, "ok": bool(torch.isfinite(x @ x).all())}))
     assert "general large pool" in out["err"] and "empty_cache" in out["err"] and out["ok"]
 
 
+@pytest.mark.device_wide
 def test_empty_cache_returns_the_general_regions():
     out = run("""
 alloc.install(alloc.Config(budget_mb=32))
@@ -137,6 +139,7 @@ print(json.dumps({"held": held, "cached": cached, "after": alloc.memory_reserved
     assert out["freed"] >= 150 << 20
 
 
+@pytest.mark.device_wide
 def test_general_regions_cost_the_device_what_they_hold():
     """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
     alignment's padding) would cost a whole 2 MiB page a region, outside every pool's count.
@@ -244,6 +247,7 @@ print(json.dumps({"s1": s1, "s2": s2, "torch": [t2["allocated_bytes.all.current"
     assert s1["arena.workspace.in_use"] == 1 << 20
 
 
+@pytest.mark.device_wide
 def test_forced_unified_mode_guards_every_reservation(tmp_path):
     """A simulated unified machine with 13.5 GiB of host memory available: the meminfo file is
     rewritten after every step with 13.5 GiB minus what this process took from the device, as

@@ -10,6 +10,7 @@ from tests.support.gpu import ORDINARY_WORK, run
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.device_wide
 def test_seed_workload_stays_flat_at_the_budget_with_one_reservation():
     out = run("""
 alloc.install(alloc.Config(budget_mb=512), scope="workspace")
