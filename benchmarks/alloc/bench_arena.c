@@ -17,7 +17,10 @@
  *        cycle), or "-" where that cannot be measured, so that hosts can be compared in cycles;
  *        bench_arena protocol
  *        prints how thread caches keep their owner and other threads apart in this process
- *        (ia_thread_cache_protocol). */
+ *        (ia_thread_cache_protocol);
+ *        bench_arena barrier SPINNERS
+ *        prints the ns one process-wide barrier (membarrier's private expedited command, what a
+ *        claim on other threads' caches pays) takes while SPINNERS other threads run, or "-". */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,6 +28,13 @@
 #include <time.h>
 
 #include "arena.h"
+
+#if defined(__linux__) && __has_include(<linux/membarrier.h>)
+#include <linux/membarrier.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_MEMBARRIER 1
+#endif
 
 #define WINDOW 256
 
@@ -133,15 +143,48 @@ static int print_clock(void) {
   return 0;
 }
 
+#ifdef HAVE_MEMBARRIER
+static _Atomic int stop_spinning;
+
+static void *spin(void *arg) {
+  (void)arg;
+  while (!stop_spinning) {
+  }
+  return NULL;
+}
+
+static int print_barrier(int spinners) {
+  const int calls = 10000;
+  pthread_t tid[64];
+  if (spinners < 0 || spinners > 64) return 2;
+  if (syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) != 0) return printf("barrier -\n") < 0;
+  for (int i = 0; i < spinners; i++) pthread_create(&tid[i], NULL, spin, NULL);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  for (int i = 0; i < calls; i++) syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  stop_spinning = 1;
+  for (int i = 0; i < spinners; i++) pthread_join(tid[i], NULL);
+  printf("barrier %.0f\n", ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / calls);
+  return 0;
+}
+#else
+static int print_barrier(int spinners) {
+  (void)spinners;
+  return printf("barrier -\n") < 0;
+}
+#endif
+
 int main(int argc, char **argv) {
   if (argc == 2 && !strcmp(argv[1], "clock")) return print_clock();
   if (argc == 2 && !strcmp(argv[1], "protocol")) return printf("protocol %s\n", ia_thread_cache_protocol()) < 0;
+  if (argc == 3 && !strcmp(argv[1], "barrier")) return print_barrier(atoi(argv[2]));
   int use_arena = -1;
   for (int k = 0; argc >= 5 && k < KINDS; k++)
     if (!strcmp(argv[1], names[k])) use_arena = k;
   if ((argc != 5 && argc != 6) || use_arena < 0) {
     fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n"
-            "       %s clock|protocol\n", argv[0], argv[0]);
+            "       %s clock|protocol|barrier SPINNERS\n", argv[0], argv[0]);
     return 2;
   }
   int threads = atoi(argv[2]);

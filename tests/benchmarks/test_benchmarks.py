@@ -172,6 +172,19 @@ def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
     assert all(r["paths"]["sampled"] == 0 for r in results if r["config"].startswith("two"))
 
 
+def test_bench_arena_times_the_claims_barrier_or_says_it_cannot(tmp_path):
+    """`bench_arena barrier N`: ns a process-wide barrier takes with N threads spinning, where the
+    thread caches use one ("membarrier"), else "-"; a bad count is refused."""
+    exe = bench_arena.build(tmp_path)
+    word = subprocess.run([str(exe), "barrier", "1"], capture_output=True, text=True, check=True).stdout.split()
+    assert word[0] == "barrier"
+    if ffi.string(lib.ia_thread_cache_protocol()).decode() == "membarrier":
+        assert 0 < float(word[1]) < 1e7
+    else:
+        assert word[1] == "-"
+    assert subprocess.run([str(exe), "barrier", "65"], capture_output=True).returncode == 2
+
+
 def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
     """The arena microbenchmark end to end at toy sizes: its C program builds from the tree, every
     allocator runs at one and four threads, the goals are judged on the figures it reports, and
