@@ -3,10 +3,12 @@ order, frees from other threads, thread exit, and what must take cached blocks b
 C harnesses are in tests/csrc/test_harnesses.py."""
 
 import ctypes
+import os
 import platform
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -238,6 +240,47 @@ def test_a_block_freed_by_another_thread_is_free_at_once_and_refused_a_second_ti
         s = a.stats()
         assert s["in_use"] == 0 and s["blocks"] == 0 and s["bad_frees"] == 2 * len(ps)
         a.check()
+        assert one_free_block(a)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_can_claim_the_caches_of_threads_it_does_not_have():
+    """After fork only the forking thread runs; the other threads' caches are still the arena's,
+    and the child's statistics and invariant walk claim them (the barrier, in the child)."""
+    with cached_arena(8 * MiB) as a:
+        kept, finish = threading.Event(), threading.Event()
+
+        def worker():
+            ps = [a.allocate(size) for size in (4 * KiB, 64 * KiB, 300 * KiB)]
+            a.free(ps[0])
+            a.free(ps[2])  # two kept in this thread's cache, one handed out
+            kept.set()
+            finish.wait()
+            a.free(ps[1])
+
+        t = threading.Thread(target=worker)
+        t.start()
+        assert kept.wait(timeout=60)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # forking with threads running
+            pid = os.fork()
+        if pid == 0:
+            try:
+                s = a.stats()
+                a.check()
+                os._exit(0 if s["in_use"] == 64 * KiB and s["free_bytes"] == 8 * MiB - 64 * KiB else 1)
+            except BaseException:
+                os._exit(2)
+        deadline = time.monotonic() + 60
+        while not (done := os.waitpid(pid, os.WNOHANG))[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not done[0]:  # a claim waiting forever in the child
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        status = done[1]
+        finish.set()
+        t.join()
+        assert done[0] and os.waitstatus_to_exitcode(status) == 0
         assert one_free_block(a)
 
 
