@@ -53,9 +53,10 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
   _ia_arena_lock(a);
   ia_status_t st = IA_OK;
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
-  _ia_tcache_t *owner = b ? b->cache : NULL;
-  if (owner) _ia_tcache_claim(&owner, 1); /* a lent block's streams are its cache's to read */
-  if (!b || (owner && (b->cached || b->freed_remotely))) {
+  /* A lent block is read and written without a claim on its cache: the caller holds it live, and
+   * its owner's fast path touches a live block only to free it, which a program that holds it
+   * does not do at the same time; only one that records on a block it freed races here. */
+  if (!b || (b->cache && (b->cached || b->freed_remotely))) {
     st = _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
   } else if (stream != b->stream) {
     bool known = false;
@@ -73,7 +74,6 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
       if (st == IA_OK) b->uses[b->n_uses++] = stream;
     }
   }
-  if (owner) _ia_tcache_release(&owner, 1);
   _ia_arena_unlock(a);
   return st;
 }
@@ -109,14 +109,11 @@ bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
 bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
   _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
-  _ia_tcache_t *owner = b ? b->cache : NULL;
-  if (owner) _ia_tcache_claim(&owner, 1);
-  bool live = b && !(owner && (b->cached || b->freed_remotely));
+  bool live = b && !(b->cache && (b->cached || b->freed_remotely)); /* no claim: as record_stream */
   if (live) {
     *stream = b->stream;
     *other_streams = b->n_uses;
   }
-  if (owner) _ia_tcache_release(&owner, 1);
   _ia_arena_unlock(a);
   return live;
 }

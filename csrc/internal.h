@@ -286,7 +286,8 @@ typedef struct _ia_block {
   bool freed_remotely;
   /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
    * arena's lock with the cache claimed (or by its owner); while lent, the fields except addr, size,
-   * region and the physical links belong to the cache, and the arena neither splits nor merges the
+   * region and the physical links belong to the cache (but for a handed-out block's streams, which
+   * whoever holds it records: arena_streams.c), and the arena neither splits nor merges the
    * block (a mapped arena's cut and join rename the region of every block of a stretch). */
   _ia_tcache_t *cache;
   _ia_region_t *region;
