@@ -159,6 +159,31 @@ def test_a_block_with_recorded_streams_is_not_kept_by_the_cache():
         a.check()
 
 
+def test_a_stream_recorded_by_another_thread_orders_the_owners_free():
+    """record_stream from a thread that does not own the block's cache (it claims nothing): the
+    owner's free then goes through the arena and orders its stream after the recorded one."""
+    with cached_arena() as a:
+        a.set_auto_complete(False)
+        blocks = {}
+        allocated, recorded = threading.Event(), threading.Event()
+
+        def owner():
+            blocks["p"] = a.allocate(48 * KiB, S1)
+            allocated.set()
+            assert recorded.wait(timeout=60)
+            a.free(blocks["p"], S1)  # another stream recorded on it: through the arena's lock
+
+        t = threading.Thread(target=owner)
+        t.start()
+        assert allocated.wait(timeout=60)
+        a.record_stream(blocks["p"], S2)
+        recorded.set()
+        t.join()
+        assert a.waits(S1, S2) == 1
+        assert one_free_block(a)
+        a.check()
+
+
 def test_double_frees_of_a_cached_block_are_refused_on_every_thread():
     with cached_arena() as a:
         p = a.allocate(4 * KiB)
