@@ -1,9 +1,10 @@
 /* How threads other than a cache's owner get into the cache, and how the owner keeps them out.
  *
- * Why not a lock. The owner's fast path enters its cache on every allocation and free; an atomic
- * exchange there is a full barrier and cost the hits a third of their time. Other threads touch a
- * cache rarely: statistics, drains, a capture's start, taking blocks back from other threads'
- * caches when a request fits nowhere else. So the cost goes to them.
+ * Why not a lock. The owner's fast path enters its cache on every allocation and free, and an
+ * atomic exchange there is a full barrier on every one (benchmarks/RESULTS.md times the
+ * difference). Other threads touch a cache rarely: statistics, drains, a capture's start, taking
+ * blocks back from other threads' caches when a request fits nowhere else. So the cost goes to
+ * them.
  *
  * The protocol. The owner marks itself busy with a plain store, then reads whether the cache is
  * claimed (_ia_tcache_enter); it leaves with a release store. A claimer always holds the arena's
@@ -27,12 +28,14 @@
 
 #include "thread_cache.h"
 
-#if defined(__has_feature)
+#if defined(__SANITIZE_THREAD__) /* gcc */
+#define IA_TSAN 1
+#elif defined(__has_feature) /* clang */
 #if __has_feature(thread_sanitizer)
-#define __SANITIZE_THREAD__ 1
+#define IA_TSAN 1
 #endif
 #endif
-#if defined(__linux__) && !defined(__SANITIZE_THREAD__) && !IA_NO_MEMBARRIER && __has_include(<linux/membarrier.h>)
+#if defined(__linux__) && !IA_TSAN && !IA_NO_MEMBARRIER && __has_include(<linux/membarrier.h>)
 #include <linux/membarrier.h>
 #include <sys/syscall.h>
 #include <unistd.h>
