@@ -156,7 +156,6 @@ static void *spin(void *arg) {
 static int print_barrier(int spinners) {
   const int calls = 10000;
   pthread_t tid[64];
-  if (spinners < 0 || spinners > 64) return 2;
   if (syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) != 0) return printf("barrier -\n") < 0;
   for (int i = 0; i < spinners; i++) pthread_create(&tid[i], NULL, spin, NULL);
   struct timespec t0, t1;
@@ -178,7 +177,14 @@ static int print_barrier(int spinners) {
 int main(int argc, char **argv) {
   if (argc == 2 && !strcmp(argv[1], "clock")) return print_clock();
   if (argc == 2 && !strcmp(argv[1], "protocol")) return printf("protocol %s\n", ia_thread_cache_protocol()) < 0;
-  if (argc == 3 && !strcmp(argv[1], "barrier")) return print_barrier(atoi(argv[2]));
+  if (argc == 3 && !strcmp(argv[1], "barrier")) {
+    int spinners = atoi(argv[2]);
+    if (spinners < 0 || spinners > 64) {
+      fprintf(stderr, "bench_arena barrier: SPINNERS must be 0 to 64, got %s\n", argv[2]);
+      return 2;
+    }
+    return print_barrier(spinners);
+  }
   int use_arena = -1;
   for (int k = 0; argc >= 5 && k < KINDS; k++)
     if (!strcmp(argv[1], names[k])) use_arena = k;

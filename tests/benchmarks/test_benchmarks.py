@@ -182,7 +182,9 @@ def test_bench_arena_times_the_claims_barrier_or_says_it_cannot(tmp_path):
         assert 0 < float(word[1]) < 1e7
     else:
         assert word[1] == "-"
-    assert subprocess.run([str(exe), "barrier", "65"], capture_output=True).returncode == 2
+    refused = subprocess.run([str(exe), "barrier", "65"], capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "bench_arena barrier: SPINNERS must be 0 to 64, got 65"
 
 
 def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
