@@ -443,7 +443,7 @@ ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
   ia_status_t st = b ? IA_OK : _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
-  if (b && b->cache && (b->cached || b->freed_remotely)) st = IA_ERR_DOUBLE_FREE;
+  if (b && _ia_lent_and_free(b)) st = IA_ERR_DOUBLE_FREE;
   if (st != IA_OK) {
     a->stats.bad_frees++;
     _ia_arena_unlock(a);

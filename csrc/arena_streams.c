@@ -56,7 +56,7 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
   /* A lent block is read and written without a claim on its cache: the caller holds it live, and
    * its owner's fast path touches a live block only to free it, which a program that holds it
    * does not do at the same time; only one that records on a block it freed races here. */
-  if (!b || (b->cache && (b->cached || b->freed_remotely))) {
+  if (!b || _ia_lent_and_free(b)) {
     st = _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
   } else if (stream != b->stream) {
     bool known = false;
@@ -109,7 +109,7 @@ bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
 bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
   _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
-  bool live = b && !(b->cache && (b->cached || b->freed_remotely)); /* no claim: as record_stream */
+  bool live = b && !_ia_lent_and_free(b); /* no claim: as record_stream */
   if (live) {
     *stream = b->stream;
     *other_streams = b->n_uses;

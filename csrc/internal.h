@@ -296,6 +296,9 @@ typedef struct _ia_block {
   ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
   uint32_t cap_uses;
 } __attribute__((aligned(IA_CACHE_LINE))) _ia_block_t;
+/* Lent to a cache but handed out to no one: free in the cache, or freed by another thread and
+ * waiting on the cache's remote frees. A second free or a record_stream of it is refused. */
+static inline bool _ia_lent_and_free(const _ia_block_t *b) { return b->cache && (b->cached || b->freed_remotely); }
 _Static_assert(offsetof(_ia_block_t, cache) <= IA_CACHE_LINE && IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256,
                "a block's fast-path fields fill its first cache line; its classes fit in bytes");
 
