@@ -144,9 +144,9 @@ def test_general_regions_cost_the_device_what_they_hold():
     """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
     alignment's padding) would cost a whole 2 MiB page a region, outside every pool's count.
     Regions, so expandable:off (mapped pools have one stretch each: test_expandable.py). The
-    device's free memory is the whole device's: tests-graphs runs four test processes at a time,
-    and another one's allocation once moved it by 4 MiB inside the window, so the bound is half a
-    page a region, which padding (a whole page a region) still exceeds."""
+    device's free memory is the whole device's: another test process's allocation once moved it
+    by 4 MiB inside the window, hence the bound of half a page a region, which padding (a whole
+    page a region) still exceeds; gpu_suite.sh now runs this test alone (device_wide)."""
     out = run("""
 alloc.install(alloc.Config(expandable="off"))
 """ + DEVICE_COST_WORK + """print(json.dumps({"device": free0 - torch.cuda.mem_get_info()[0], "held": alloc.memory_reserved() - held0,
