@@ -8,6 +8,8 @@
  * thread-local storage and thread caches are its own. The libraries are built as the Python
  * extension is (position-independent, hidden symbols, thread-local storage reached through the
  * dynamic linker), so the figures compare cores as the extension runs them, not bench_arena.c's.
+ * A LIBRARY given as "malloc" is glibc's malloc and free on the same sequence: beside the cores in
+ * one process, it shows whether a slow stretch of the machine slows every allocator alike.
  * usage: bench_cores ROUNDS PAIRS THREAD_CACHE_MIB LIBRARY...
  *        prints "round R NS..." for every round, one ns per pair for each library in the order given */
 #include <stdio.h>
@@ -50,6 +52,7 @@ EXPORT int bench_core_finish(ia_arena_t *arena) {
 }
 #else
 #include <dlfcn.h>
+#include <string.h>
 #include <time.h>
 
 #define WINDOW 256
@@ -65,6 +68,20 @@ typedef struct {
 } core_t;
 
 static size_t draws[4096];
+
+/* The "malloc" pseudo-core. */
+static ia_status_t malloc_alloc(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out) {
+  (void)arena, (void)stream;
+  return (*out = malloc(size)) ? IA_OK : IA_ERR_OUT_OF_MEMORY;
+}
+
+static ia_status_t malloc_free(ia_arena_t *arena, void *ptr, ia_stream_t stream) {
+  (void)arena, (void)stream;
+  free(ptr);
+  return IA_OK;
+}
+
+static int malloc_finish(ia_arena_t *arena) { return (void)arena, 1; }
 
 /* bench_arena.c's generator and sizes: log-uniform, 16 B to 1 MiB. */
 static uint64_t next_random(uint64_t *s) {
@@ -114,15 +131,19 @@ int main(int argc, char **argv) {
   core_t cores[MAX_CORES];
   for (int k = 0; k < n; k++) {
     const char *library = argv[4 + k];
-    void *h = dlopen(library, RTLD_NOW | RTLD_LOCAL);
-    if (!h) fail(dlerror(), library);
-    ia_arena_t *(*create)(size_t) = (ia_arena_t * (*)(size_t)) dlsym(h, "bench_core_create");
     core_t *c = &cores[k];
-    *(void **)&c->alloc = dlsym(h, "bench_core_alloc");
-    *(void **)&c->free = dlsym(h, "bench_core_free");
-    *(void **)&c->finish = dlsym(h, "bench_core_finish");
-    if (!create || !c->alloc || !c->free || !c->finish) fail("not a core built with bench_cores.c", library);
-    if (!(c->arena = create(cache))) fail("its arena could not be made", library);
+    if (!strcmp(library, "malloc")) {
+      *c = (core_t){.alloc = malloc_alloc, .free = malloc_free, .finish = malloc_finish};
+    } else {
+      void *h = dlopen(library, RTLD_NOW | RTLD_LOCAL);
+      if (!h) fail(dlerror(), library);
+      ia_arena_t *(*create)(size_t) = (ia_arena_t * (*)(size_t)) dlsym(h, "bench_core_create");
+      *(void **)&c->alloc = dlsym(h, "bench_core_alloc");
+      *(void **)&c->free = dlsym(h, "bench_core_free");
+      *(void **)&c->finish = dlsym(h, "bench_core_finish");
+      if (!create || !c->alloc || !c->free || !c->finish) fail("not a core built with bench_cores.c", library);
+      if (!(c->arena = create(cache))) fail("its arena could not be made", library);
+    }
     uint64_t window_rng = rng;
     for (int i = 0; i < WINDOW; i++)
       if (c->alloc(c->arena, random_size(&window_rng), stream, &c->live[i]) != IA_OK) fail("allocation failed", library);

@@ -18,7 +18,9 @@ Then the one-thread cases with 16 and 64 MiB caches again, every core in one pro
 (bench_cores.c: each core a shared library, the cores alternated every --pairs / 8 pairs, --rounds
 times 8): where a host runs each process at one of two speeds, the processes' medians can move by
 more than a change is worth, while ratios taken within one process see the same speed on both
-sides. Those figures compare cores; bench_arena.c's are the ones the goals are judged on.
+sides. glibc runs in that process too, each of its slices beside the cores': the first core's
+share of glibc's time slice by slice shows whether a slow stretch of the machine slows both alike.
+Those figures compare cores; bench_arena.c's are the ones the goals are judged on.
 """
 
 import os
@@ -106,11 +108,11 @@ def build_in_one_process(out: pathlib.Path, trees: list[pathlib.Path]) -> list[p
 
 
 def run_in_one_process(programs: list[pathlib.Path], rounds: int, pairs: int, cache_mib: int) -> list[list[float]]:
-    """Each round's ns per pair, one list per core."""
+    """Each round's ns per pair, one list per core and a last one for glibc."""
     env = dict(os.environ)
     env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), TUNABLE)))
     exe, *libraries = programs
-    done = subprocess.run([str(exe), str(rounds), str(pairs), str(cache_mib), *map(str, libraries)],
+    done = subprocess.run([str(exe), str(rounds), str(pairs), str(cache_mib), *map(str, libraries), "malloc"],
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
         fail(f"bench_cores failed (exit {done.returncode}): {' '.join(done.stderr.split())[-300:]}")
@@ -155,7 +157,8 @@ def main() -> None:
                 name, label, alloc, threads, pairs, mib = jobs[(r + k) % len(jobs)]
                 times[name, label].append(run(label, exes[label], alloc, threads, args.pairs // pairs, mib))
         for name, mib in IN_ONE_PROCESS:
-            runs = run_in_one_process(in_one, args.rounds * SLICES, max(1, args.pairs // SLICES), mib)
+            *runs, times[name, "glibc"] = run_in_one_process(in_one, args.rounds * SLICES,
+                                                             max(1, args.pairs // SLICES), mib)
             for label, t in zip(labels, runs):
                 times[name, label] = t
     first = labels[0]
@@ -173,6 +176,13 @@ def main() -> None:
         t = times[name, first]
         results.append({"case": name, "core": "glibc", "median_ns": statistics.median(t), "runs": t})
         rows.append((name, "glibc", f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}", ""))
+    for name, _ in IN_ONE_PROCESS:
+        t, base = times[name, "glibc"], times[name, first]
+        shares = [b / x for x, b in zip(t, base)]
+        results.append({"case": name, "core": "glibc", "median_ns": statistics.median(t), "runs": t,
+                        "first_core_share": shares})
+        rows.append((name, "glibc", f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}",
+                     f"{first}'s share {statistics.median(shares):.2f} ({min(shares):.2f}-{max(shares):.2f})"))
     harness.table(f"alloc+free pair, {args.rounds} rounds, cores alternated (in one process: "
                   f"{args.rounds * SLICES} slices of {max(1, args.pairs // SLICES):,} pairs)",
                   ("case", "core", "median ns/pair", "range", f"median ratio to {first}"), rows)

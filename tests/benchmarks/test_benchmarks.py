@@ -217,7 +217,7 @@ def test_bench_arena_reports_every_allocator_the_goals_and_the_clock(tmp_path):
 def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path):
     """Two cores, one from git (HEAD) and one from a directory (the working tree), at toy sizes:
     every case runs once a round for each core (the cases in one process once a slice, the cores'
-    libraries loaded side by side), ratios are taken against the first core within a round, and the
+    libraries and glibc side by side), ratios are taken against the first core within a round, and the
     goals are judged for each core on its own medians."""
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
@@ -238,6 +238,9 @@ def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path
         one = by[case, "tree"]
         assert one["median_ratio_to_first"] == pytest.approx(
             statistics.median(t / h for t, h in zip(one["runs"], by[case, "head"]["runs"])))
+    for case in in_one:  # glibc's slices beside the cores', and the first core's share of each
+        glibc = by[case, "glibc"]
+        assert glibc["first_core_share"] == pytest.approx([h / g for h, g in zip(by[case, "head"]["runs"], glibc["runs"])])
     glibc4 = by["glibc, 4 threads", "glibc"]["median_ns"]
     assert [(g["one_thread_met"], g["four_threads_met"]) for g in res["goals"]] == [
         (by["1 thread", c]["median_ns"] <= bench_arena.ONE_THREAD_NS,
