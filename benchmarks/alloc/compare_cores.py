@@ -132,6 +132,8 @@ def main() -> None:
     labels = [label for label, _ in cores]
     if len(set(labels)) != len(labels):
         fail(f"every core needs a label of its own, got {', '.join(labels)}")
+    if "glibc" in labels:
+        fail("the label glibc names glibc's own rows: give the core another")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         exes, trees = {}, []

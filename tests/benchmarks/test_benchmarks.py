@@ -240,7 +240,8 @@ def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path
             statistics.median(t / h for t, h in zip(one["runs"], by[case, "head"]["runs"])))
     for case in in_one:  # glibc's slices beside the cores', and the first core's share of each
         glibc = by[case, "glibc"]
-        assert glibc["first_core_share"] == pytest.approx([h / g for h, g in zip(by[case, "head"]["runs"], glibc["runs"])])
+        shares = [h / g for h, g in zip(by[case, "head"]["runs"], glibc["runs"])]
+        assert glibc["first_core_share"] == pytest.approx(shares)
     glibc4 = by["glibc, 4 threads", "glibc"]["median_ns"]
     assert [(g["one_thread_met"], g["four_threads_met"]) for g in res["goals"]] == [
         (by["1 thread", c]["median_ns"] <= bench_arena.ONE_THREAD_NS,
@@ -253,6 +254,7 @@ def test_compare_cores_alternates_cores_from_a_revision_and_a_directory(tmp_path
     (["HEAD"], "a core is LABEL=SOURCE"),
     (["a=no-such-revision"], "neither a directory nor a revision"),
     (["a=HEAD", "a=HEAD"], "a label of its own"),
+    (["glibc=HEAD"], "names glibc's own rows"),
     (["a=/"], "a directory without csrc"),
 ])
 def test_compare_cores_refuses_bad_cores_in_one_line(argv, says):
