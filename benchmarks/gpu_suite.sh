@@ -20,6 +20,7 @@ trap 'echo "=== stopped by SIGTERM"; exit 143' TERM  # a time limit still leaves
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export INDEXER_ARENA_CACHE=/tmp/indexer-arena-cache
 py=python3
+pytest=($py -m pytest -q -rA -p no:cacheprovider)  # every stage's pytest
 status=0
 
 # pytest_stage NAME MARKERS FILES...: pytest over FILES for the tests MARKERS selects ("" for all),
@@ -28,15 +29,15 @@ status=0
 pytest_stage() {
   local name=$1 markers=$2; shift 2
   if [ -z "${XDIST:-}" ]; then
-    step "$name" $py -m pytest -q -rA -p no:cacheprovider ${markers:+-m "$markers"} "$@"
+    step "$name" "${pytest[@]}" ${markers:+-m "$markers"} "$@"
     return
   fi
-  step "$name" $py -m pytest -q -rA -p no:cacheprovider $XDIST -m "${markers:+($markers) and }not device_wide" "$@"
+  step "$name" "${pytest[@]}" $XDIST -m "${markers:+($markers) and }not device_wide" "$@"
   step "${name}_alone" pytest_or_none -m "${markers:+($markers) and }device_wide" "$@"
 }
 
 pytest_or_none() {  # pytest, where selecting no test is not a failure (exit 5)
-  $py -m pytest -q -rA -p no:cacheprovider "$@"
+  "${pytest[@]}" "$@"
   local rc=$?
   [ $rc -eq 5 ] && rc=0
   return $rc
@@ -68,7 +69,7 @@ setup() {
 for stage in "${@:-setup tests-alloc alloc-bench}"; do
   case "$stage" in
     setup) setup ;;
-    tests-alloc) step gpu_tests_alloc $py -m pytest -q -rA -m gpu -p no:cacheprovider \
+    tests-alloc) step gpu_tests_alloc "${pytest[@]}" -m gpu \
                    tests/alloc/plugin/test_expandable.py ;;  # one process at a time: some fill the device
     tests-graphs) pytest_stage gpu_tests_graphs gpu tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py \
                     tests/alloc/plugin/test_memory_stats.py ;;
