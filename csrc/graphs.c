@@ -37,9 +37,14 @@ struct graph_pool {
   ia_pool_id_t id;
   int use_count;  /* graphs and MemPools holding it */
   int allocating; /* begun, not ended */
+  int kept_by;    /* pools whose captures freed one of its blocks (below) */
   _ia_owner_t owner;
   pool_stream_t *streams;
   size_t n_streams, cap_streams;
+  /* Other pools whose blocks were freed while this pool captured: the graph may still read and
+   * write those addresses at replay, so their memory stays until this pool's graphs are gone. */
+  graph_pool_t **keeps;
+  size_t n_keeps, cap_keeps;
   graph_pool_t *next;
 };
 
@@ -101,18 +106,64 @@ static uint64_t pool_capacity(const graph_pool_t *p) {
   return total;
 }
 
-/* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock. */
-static void trim_released(struct device_graphs *g, graph_pool_t *p) {
-  if (p->use_count > 0 || p->allocating > 0) return;
-  if (atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return;
+/* Once a pool's graphs are gone, the pools it kept are no longer in use on its account. */
+static void drop_keeps(graph_pool_t *p) {
+  for (size_t i = 0; i < p->n_keeps; i++) p->keeps[i]->kept_by--;
+  free(p->keeps);
+  p->keeps = NULL;
+  p->n_keeps = p->cap_keeps = 0;
+}
+
+/* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock.
+ * Returns whether it dropped keeps, which may let other pools go too. */
+static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
+  if (p->use_count > 0 || p->allocating > 0) return false;
+  bool dropped = p->n_keeps > 0;
+  drop_keeps(p);
+  if (p->kept_by > 0 || atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return dropped;
   FOR_EACH_ARENA(p, k, a) ia_arena_release_cached(a);
-  if (pool_capacity(p)) return;
+  if (pool_capacity(p)) return dropped;
   graph_pool_t **link = &g->pools;
   while (*link != p) link = &(*link)->next;
   *link = p->next;
   FOR_EACH_ARENA(p, k, a) ia_arena_destroy(a);
   free(p->streams);
   free(p);
+  return dropped;
+}
+
+/* Trims `p` (NULL: every pool), then every pool again for as long as a trim drops keeps. */
+static void trim_released(struct device_graphs *g, graph_pool_t *p) {
+  bool again = p ? trim_one(g, p) : true;
+  while (again) {
+    again = false;
+    for (graph_pool_t *q = g->pools, *next; q; q = next) {
+      next = q->next;
+      again |= trim_one(g, q);
+    }
+  }
+}
+
+/* A block of pool `owner` freed while pools of its device allocate to them (a capture, a MemPool
+ * in use): each of those pools keeps `owner` for as long as it lives, since what it captured may
+ * use the freed block (a tensor rebound inside the capture). PyTorch's allocator keeps such memory
+ * only until the next empty_cache(); after it, a replay would touch memory given back. */
+static void keep_for_allocating_pools(struct device_graphs *g, graph_pool_t *owner) {
+  for (graph_pool_t *p = g->pools; p; p = p->next) {
+    if (p == owner || p->allocating == 0) continue;
+    bool kept = false;
+    for (size_t i = 0; i < p->n_keeps && !kept; i++) kept = p->keeps[i] == owner;
+    if (kept) continue;
+    if (p->n_keeps == p->cap_keeps) {
+      size_t cap = p->cap_keeps ? p->cap_keeps * 2 : 4;
+      graph_pool_t **grown = realloc(p->keeps, cap * sizeof *grown);
+      if (!grown) continue; /* not kept: the pool is then no safer than under PyTorch's allocator */
+      p->keeps = grown;
+      p->cap_keeps = cap;
+    }
+    p->keeps[p->n_keeps++] = owner;
+    owner->kept_by++;
+  }
 }
 
 static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int use_delta, bool create) {
@@ -220,10 +271,15 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   ia_stream_t stream;
   uint32_t others;
   if (!_ia_arena_live_block(arena, ptr, &stream, &others)) return false; /* the free reports it */
+  struct device_graphs *g = graphs_of(device);
+  if (owner->graph_pool) {
+    pthread_mutex_lock(&g->lock);
+    keep_for_allocating_pools(g, owner->graph_pool);
+    pthread_mutex_unlock(&g->lock);
+  }
   /* A pool's arena serves its own stream only, so a block freed on it needs no event; an eager
    * arena's block of a capturing stream would. Other streams recorded on a block always do. */
   if (!others && (owner->graph_pool || !_ia_arena_stream_capturing(arena, stream))) return false;
-  struct device_graphs *g = graphs_of(device);
   pthread_mutex_lock(&g->lock);
   bool held = atomic_load(&_ia_plugin_totals(device)->captures) > 0;
   if (held && g->n_held == g->cap_held) {
@@ -262,10 +318,7 @@ void _ia_graph_flush_arenas(int device) {
   struct device_graphs *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
-  for (graph_pool_t *p = g->pools, *next; p; p = next) {
-    next = p->next;
-    trim_released(g, p);
-  }
+  trim_released(g, NULL);
   pthread_mutex_unlock(&g->lock);
 }
 

@@ -223,7 +223,9 @@ bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
 /* A mapping arena's pages become reachable from device `peer` (IA_OK and nothing else otherwise). */
 ia_status_t _ia_arena_grant_access(ia_arena_t *arena, int peer);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
-/* A free the plugin must hold back until no stream of the device captures; true when held. */
+/* Called for every free while a pool of the device allocates: the pools allocating keep a graph
+ * pool whose block this is (graphs.c), and a free that must wait for the captures' end is held;
+ * true when held. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
 /* Frees a live block of `arena` on its own stream, saying on stderr when that is refused; a released
  * graph pool then gives back what came free. */

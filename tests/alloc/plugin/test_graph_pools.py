@@ -146,6 +146,53 @@ check()
 """)
 
 
+def test_a_block_of_a_released_pool_freed_inside_another_capture_lives_as_long_as_that_graph():
+    # PyTorch's test_graph_capture_reset_recapture: graph 1's output outlives its reset(), graph 2
+    # writes it and rebinds the name inside its capture, so the block is freed while graph 2
+    # captures, and graph 2's replays still write it.
+    run("""
+p1, p2 = pool(11), pool(12)
+capture(p1, 5, 1)
+out = alloc(30 * MiB, 5, p1)
+end_capture(p1, 5)
+assert lib.ia_graph_release(0, p1[0]) == lib.IA_OK       # graph 1 reset; out still alive
+capture(p2, 5, 2)
+new = alloc(30 * MiB, 5, p2)
+free(out)                                                 # rebound inside graph 2's capture
+end_capture(p2, 5)
+assert info(p1) is not None and info(p1).capacity >= 30 * MiB   # graph 2 still uses it
+lib.ia_torch_empty_cache()
+assert info(p1) is not None and info(p1).capacity >= 30 * MiB
+assert out not in [alloc(30 * MiB, 5) for _ in range(3)]  # never handed to eager code
+free(new)
+assert lib.ia_graph_release(0, p2[0]) == lib.IA_OK       # graph 2 reset: both pools go
+assert info(p1) is None and info(p2) is None
+check()
+""")
+
+
+def test_pools_that_keep_each_other_both_go_once_their_graphs_are_gone():
+    run("""
+p1, p2 = pool(21), pool(22)
+capture(p1, 6, 1)
+a = alloc(4 * MiB, 6, p1)
+end_capture(p1, 6)
+capture(p2, 7, 2)
+b = alloc(4 * MiB, 7, p2)
+free(a)                       # p2 keeps p1
+end_capture(p2, 7)
+capture(p1, 6, 3)
+free(b)                       # p1 keeps p2
+end_capture(p1, 6)
+for _ in range(2):            # each capture holds its pool once: p1's two graphs go
+    assert lib.ia_graph_release(0, p1[0]) == lib.IA_OK
+assert info(p1) is not None   # p2's graph may still touch a
+assert lib.ia_graph_release(0, p2[0]) == lib.IA_OK
+assert info(p1) is None and info(p2) is None
+check()
+""")
+
+
 def test_frees_that_would_touch_a_capturing_stream_wait_for_the_end_of_the_capture():
     run("""
 on_capturing = alloc(4096, 5)
