@@ -342,6 +342,33 @@ void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
   out->num_ooms = (int64_t)ia_plugin_ooms();
   out->num_device_alloc = (int64_t)all.backend_reserves;
   out->num_device_free = (int64_t)all.backend_releases;
+  if (!_ia_device_ready(device)) return;
+  pthread_mutex_lock(&_ia_plugin.lock);
+  const ia_torch_stats_t *base = &_ia_plugin.devices[device].accumulated_base;
+#define SINCE_RESET(name, torch, doc)                                                               \
+  for (int k = 0; k < IA_KIND_COUNT; k++) {                                                         \
+    out->torch[k].allocated -= base->torch[k].allocated;                                           \
+    out->torch[k].freed -= base->torch[k].freed;                                                   \
+  }
+  IA_STAT_QUADS(SINCE_RESET)
+#undef SINCE_RESET
+  out->num_alloc_retries -= base->num_alloc_retries;
+  out->num_ooms -= base->num_ooms;
+  out->num_device_alloc -= base->num_device_alloc;
+  out->num_device_free -= base->num_device_free;
+  pthread_mutex_unlock(&_ia_plugin.lock);
+}
+
+void ia_plugin_reset_accumulated(int device) {
+  if (!_ia_device_ready(device)) return;
+  ia_torch_stats_t now;
+  pthread_mutex_lock(&_ia_plugin.lock);
+  memset(&_ia_plugin.devices[device].accumulated_base, 0, sizeof now);
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  ia_plugin_torch_stats(device, &now); /* the counters since the beginning */
+  pthread_mutex_lock(&_ia_plugin.lock);
+  _ia_plugin.devices[device].accumulated_base = now;
+  pthread_mutex_unlock(&_ia_plugin.lock);
 }
 
 void ia_plugin_reset_peaks(int device) {
@@ -356,16 +383,55 @@ uint64_t ia_plugin_retries(void) { return atomic_load(&_ia_plugin.retries); }
 
 /* ---- tracing ---------------------------------------------------------------------------------- */
 
+typedef struct {
+  ia_trace_t *trace;
+  int device;
+} trace_target_t;
+
+static void trace_graph_arena(void *target, ia_pool_id_t id, int kind, ia_arena_t *arena) {
+  (void)id;
+  trace_target_t *t = target;
+  ia_arena_set_trace(arena, t->trace, t->device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
+}
+
+/* Every arena of every device, graph pools' included, records into the plugin's trace (NULL: none,
+ * so that an arena nobody listens to pays nothing). Under the plugin's lock. */
+static void trace_every_arena(ia_trace_t *trace) {
+  for (int d = 0; d < IA_MAX_DEVICES; d++) {
+    if (atomic_load(&_ia_plugin.devices[d].ready) != 1) continue;
+    for (int p = 0; p < IA_POOL_COUNT; p++)
+      if (ia_plugin_arena(d, p)) ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], trace, d, (uint8_t)p);
+    trace_target_t target = {trace, d};
+    _ia_graph_each_arena(d, trace_graph_arena, &target);
+  }
+}
+
+/* The plugin's one trace: made on first use (a ring of `capacity` events, at least one), with its
+ * ring and its sink as the callers set them. Under the plugin's lock. */
+static ia_status_t plugin_trace(size_t capacity) {
+  if (_ia_plugin.trace) return IA_OK;
+  ia_status_t st = ia_trace_create(capacity ? capacity : 1, &_ia_plugin.trace);
+  if (st == IA_OK) ia_trace_set_enabled(_ia_plugin.trace, false);
+  return st;
+}
+
 ia_status_t ia_plugin_trace_start(size_t capacity) {
   pthread_mutex_lock(&_ia_plugin.lock);
-  ia_status_t st = IA_OK;
-  if (!_ia_plugin.trace) st = ia_trace_create(capacity, &_ia_plugin.trace);
+  ia_status_t st = plugin_trace(capacity);
   if (st == IA_OK) {
     ia_trace_set_enabled(_ia_plugin.trace, true);
-    for (int d = 0; d < IA_MAX_DEVICES; d++)
-      if (atomic_load(&_ia_plugin.devices[d].ready) == 1)
-        for (int p = 0; p < IA_POOL_COUNT; p++)
-          if (ia_plugin_arena(d, p)) ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], _ia_plugin.trace, d, (uint8_t)p);
+    trace_every_arena(_ia_plugin.trace);
+  }
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  return st;
+}
+
+ia_status_t ia_plugin_trace_sink(ia_trace_sink_t sink, void *ctx) {
+  pthread_mutex_lock(&_ia_plugin.lock);
+  ia_status_t st = sink ? plugin_trace(0) : IA_OK;
+  if (st == IA_OK && _ia_plugin.trace) {
+    ia_trace_set_sink(_ia_plugin.trace, sink, ctx);
+    trace_every_arena(ia_trace_recording(_ia_plugin.trace) ? _ia_plugin.trace : NULL);
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
@@ -401,6 +467,9 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
   if (st == IA_OK && kind != GRAPH_WORKSPACE) _ia_arena_set_totals(*out, &slot->totals);
   if (st == IA_OK && kind == GRAPH_WORKSPACE) _ia_arena_watch_captures(*out, &slot->totals.captures);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
+  /* Under the graph pools' lock, which trace_every_arena also takes after setting the trace. */
+  if (st == IA_OK && _ia_plugin.trace && ia_trace_recording(_ia_plugin.trace))
+    ia_arena_set_trace(*out, _ia_plugin.trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
   return st;
 }
 

@@ -17,6 +17,12 @@ typedef struct {
   uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
   _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
   _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
+  /* Under _ia_plugin.lock: torch.cuda.set_per_process_memory_fraction's last value (totals.limit
+   * holds the bytes it allows) and whether one was set, and the accumulated counters as they
+   * were at torch.cuda.reset_accumulated_memory_stats(), which PyTorch's figures start from. */
+  double fraction;
+  bool fraction_set;
+  ia_torch_stats_t accumulated_base;
 } _ia_device_slot_t;
 
 typedef struct {
