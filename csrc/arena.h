@@ -255,6 +255,9 @@ typedef struct ia_arena_options {
    * region_exact_above do not apply), and ia_arena_release_cached unmaps the whole pages of free
    * blocks. Capacity and limit count mapped bytes. The page must be a multiple of the alignment. */
   size_t address_range;
+  /* Every block takes the free block it is served from whole, however much larger (PyTorch's
+   * MemPool(no_split=True)); the default splits off the rest. */
+  bool no_split;
 } ia_arena_options_t;
 
 typedef struct ia_block_info {
@@ -279,6 +282,8 @@ void ia_arena_destroy(ia_arena_t *arena);
 
 /* size 0 yields NULL and IA_OK. Never returns memory outside the arena's regions. */
 ia_status_t ia_arena_alloc(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);
+/* ia_arena_alloc from the free blocks the arena holds: it never grows. */
+ia_status_t ia_arena_alloc_cached(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);
 /* Makes [at, at + size) a live block when that range lies in one free block (checkpoints of CUDA
  * graph pools are restored this way); IA_ERR_OUT_OF_MEMORY when it does not. */
 ia_status_t ia_arena_alloc_at(ia_arena_t *arena, void *at, size_t size, ia_stream_t stream);
@@ -483,6 +488,23 @@ size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap);
 /* ia_arena_check over every arena of the pool. */
 bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len);
 
+/* A torch.cuda.MemPool's own allocator (vLLM's sleep mode, NCCL's symmetric memory): the pool's
+ * regions are reserved with alloc (NULL: out of memory) and given back with free, as PyTorch's
+ * allocator asks such a pool's allocator for its segments. drop(ctx), if set, once the pool is
+ * gone and holds nothing. Set before the pool first allocates. */
+typedef struct ia_pool_allocator {
+  void *(*alloc)(void *ctx, size_t size, int device, void *stream);
+  void (*free)(void *ctx, void *ptr, size_t size, int device, void *stream);
+  void (*drop)(void *ctx);
+  void *ctx;
+} ia_pool_allocator_t;
+ia_status_t ia_graph_set_allocator(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
+/* MemPool(no_split=True), set before the pool first allocates: its arenas split no block. */
+ia_status_t ia_graph_set_no_split(int device, ia_pool_id_t id);
+/* MemPool(use_on_oom=True): an eager request the general pools cannot serve takes a free block of
+ * the pool's arena of the same stream, if one fits, instead of failing (while the pool is held). */
+ia_status_t ia_graph_set_use_on_oom(int device, ia_pool_id_t id, bool use_on_oom);
+
 /* A segment of a device's memory as PyTorch's memory snapshot lists one: a region of one of its
  * arenas (the workspace arena, a general pool, or a graph pool's small or large arena). */
 typedef struct ia_segment_info {
@@ -525,6 +547,9 @@ typedef struct ia_torch_entry_points {
   void (*segments)(int device, ia_segment_fn fn, void *ctx);
   ia_status_t (*trace_sink)(ia_trace_sink_t sink, void *ctx);
   bool (*device_expandable)(int device);
+  ia_status_t (*graph_set_allocator)(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
+  ia_status_t (*graph_set_no_split)(int device, ia_pool_id_t id);
+  ia_status_t (*graph_set_use_on_oom)(int device, ia_pool_id_t id, bool use_on_oom);
   ia_status_t (*graph_begin)(int device, ia_pool_id_t id);
   ia_status_t (*graph_end)(int device, ia_pool_id_t id);
   ia_status_t (*graph_incref)(int device, ia_pool_id_t id);

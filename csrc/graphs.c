@@ -38,6 +38,11 @@ struct graph_pool {
   int use_count;  /* graphs and MemPools holding it */
   int allocating; /* begun, not ended */
   int kept_by;    /* pools whose captures freed one of its blocks (below) */
+  /* A MemPool's options: its own allocator (its regions come from it; allocator.drop when the
+   * pool goes), no_split (a block takes its free block whole), use_on_oom (an eager request that
+   * finds no memory may take one of its free blocks). */
+  ia_pool_allocator_t allocator;
+  bool no_split, use_on_oom;
   _ia_owner_t owner;
   pool_stream_t *streams;
   size_t n_streams, cap_streams;
@@ -127,6 +132,7 @@ static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
   while (*link != p) link = &(*link)->next;
   *link = p->next;
   FOR_EACH_ARENA(p, k, a) ia_arena_destroy(a);
+  if (p->allocator.drop) p->allocator.drop(p->allocator.ctx);
   free(p->streams);
   free(p);
   return dropped;
@@ -225,6 +231,58 @@ int ia_graph_use_count(int device, ia_pool_id_t id) {
   int n = p ? p->use_count : 0;
   pthread_mutex_unlock(&g->lock);
   return n;
+}
+
+/* Sets what `set` does to the pool (made if new); with before_use, only before it has allocated. */
+static ia_status_t configure(int device, ia_pool_id_t id, void (*set)(graph_pool_t *p, const void *arg),
+                             const void *arg, bool before_use) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g || !_ia_plugin_totals(device)) return IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_or_create(g, device, id);
+  ia_status_t st = !p ? IA_ERR_NO_HOST_MEMORY : before_use && p->n_streams ? IA_ERR_INVALID_ARGUMENT : IA_OK;
+  if (st == IA_OK) set(p, arg);
+  pthread_mutex_unlock(&g->lock);
+  return st;
+}
+
+static void set_allocator(graph_pool_t *p, const void *allocator) {
+  if (p->allocator.drop) p->allocator.drop(p->allocator.ctx);
+  p->allocator = *(const ia_pool_allocator_t *)allocator;
+}
+static void set_no_split(graph_pool_t *p, const void *on) { p->no_split = *(const bool *)on; }
+static void set_use_on_oom(graph_pool_t *p, const void *on) { p->use_on_oom = *(const bool *)on; }
+
+ia_status_t ia_graph_set_allocator(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator) {
+  return allocator && allocator->alloc && allocator->free ? configure(device, id, set_allocator, allocator, true)
+                                                          : IA_ERR_INVALID_ARGUMENT;
+}
+ia_status_t ia_graph_set_no_split(int device, ia_pool_id_t id) {
+  bool on = true;
+  return configure(device, id, set_no_split, &on, true);
+}
+ia_status_t ia_graph_set_use_on_oom(int device, ia_pool_id_t id, bool use_on_oom) {
+  return configure(device, id, set_use_on_oom, &use_on_oom, false);
+}
+
+const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *p, bool *no_split) {
+  *no_split = p->no_split;
+  return p->allocator.alloc ? &p->allocator : NULL;
+}
+
+void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind) {
+  struct device_graphs *g = graphs_of(device);
+  void *out = NULL;
+  if (!g) return NULL;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools; p && !out; p = p->next) {
+    if (!p->use_on_oom || p->use_count <= 0) continue;
+    for (size_t i = 0; i < p->n_streams && !out; i++)
+      if (p->streams[i].stream == stream && p->streams[i].arenas[kind])
+        ia_arena_alloc_cached(p->streams[i].arenas[kind], size, stream, &out);
+  }
+  pthread_mutex_unlock(&g->lock);
+  return out;
 }
 
 int ia_graph_captures(int device) {

@@ -231,6 +231,13 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
  * graph pool then gives back what came free. */
 void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
 void _ia_graph_flush_arenas(int device);
+/* A MemPool's allocator (NULL: none) and whether its blocks split; under the graphs' lock. */
+const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *pool, bool *no_split);
+/* An eager request that failed, served from a free block of a use_on_oom MemPool (NULL: none). */
+void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind);
+/* A backend whose reservations come from a MemPool's allocator; events from `events`, which it owns. */
+ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int device, ia_stream_t stream,
+                                    ia_backend_t *events, ia_backend_t **out);
 void _ia_graph_pools_flush_events(int device);
 void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
 /* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */

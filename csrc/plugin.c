@@ -461,6 +461,8 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
     o.region_round = 2 * MiB;
     o.region_min = kind == GRAPH_SMALL ? 2 * MiB : 20 * MiB;
     o.region_exact_above = kind == GRAPH_SMALL ? SIZE_MAX : 10 * MiB;
+    const ia_pool_allocator_t *own = _ia_graph_pool_options(owner->graph_pool, &o.no_split);
+    if (own) st = _ia_pool_backend_create(own, device, stream, backend, &backend);
   }
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   /* A carve-out's bytes are already counted by the workspace arena it comes from. */

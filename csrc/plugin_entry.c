@@ -53,6 +53,10 @@ void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *
       atomic_fetch_add(&_ia_plugin.retries, 1);
       st = ia_arena_alloc(slot->arenas[pool], size, (ia_stream_t)stream, &p);
     }
+    /* Last, as PyTorch: the free blocks of MemPools made with use_on_oom. */
+    if (st != IA_OK && (p = _ia_graph_alloc_on_oom(device, size, (ia_stream_t)stream,
+                                                   pool == IA_POOL_SMALL ? GRAPH_SMALL : GRAPH_LARGE)))
+      st = IA_OK;
   }
   if (st != IA_OK) _ia_fail_alloc(device, pool, size, st);
   return p;
@@ -131,6 +135,9 @@ static const ia_torch_entry_points_t entry_points = {
     .segments = ia_plugin_segments,
     .trace_sink = ia_plugin_trace_sink,
     .device_expandable = ia_plugin_device_expandable,
+    .graph_set_allocator = ia_graph_set_allocator,
+    .graph_set_no_split = ia_graph_set_no_split,
+    .graph_set_use_on_oom = ia_graph_set_use_on_oom,
     .graph_begin = ia_graph_begin,
     .graph_end = ia_graph_end,
     .graph_incref = ia_graph_incref,

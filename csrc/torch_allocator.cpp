@@ -15,6 +15,7 @@
 // It is compiled against the installed torch on first use (alloc/shims.py) and installed with
 // torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator.
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -232,6 +233,25 @@ std::vector<ia_block_info_t> pool_blocks(c10::DeviceIndex device, MempoolId_t id
   }
 }
 
+// A MemPool's own allocator, called by the core for the pool's regions (C frames: nothing throws).
+using Held = std::shared_ptr<cca::CUDAAllocator>;
+
+void* pool_alloc(void* ctx, size_t size, int, void* stream) {
+  try {
+    return (*static_cast<Held*>(ctx))->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+  } catch (const std::exception&) {
+    return nullptr;  // the core reports it as the pool's allocator refusing
+  }
+}
+
+void pool_free(void* ctx, void* ptr, size_t, int, void*) {
+  try {
+    (*static_cast<Held*>(ctx))->raw_delete(ptr);
+  } catch (const std::exception& e) {
+    fprintf(stderr, "indexer-arena: a MemPool's allocator refused to free %p: %s\n", ptr, e.what());
+  }
+}
+
 class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator {
  public:
   ArenaAllocator()
@@ -353,11 +373,17 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     check(core->graph_release(device, to_id(id)), "release", id);
   }
 
+  // A MemPool with an allocator of its own: the pool's regions come from that allocator, which
+  // the pool keeps alive until it is gone and holds nothing (tensors may outlive the MemPool).
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
-    TORCH_CHECK(!allocator || allocator.get() == this,
-                "indexer-arena: a torch.cuda.MemPool with an allocator of its own cannot run under the process "
-                "scope, which serves every CUDA allocation itself; install with scope='workspace' instead");
+    if (allocator && allocator.get() != this) {
+      auto* held = new std::shared_ptr<cca::CUDAAllocator>(std::move(allocator));
+      ia_pool_allocator_t own{pool_alloc, pool_free, [](void* ctx) { delete static_cast<Held*>(ctx); }, held};
+      ia_status_t st = core->graph_set_allocator(device, to_id(id), &own);
+      if (st != IA_OK) delete held;
+      check(st, "giving its own allocator to", id);
+    }
     check(core->graph_incref(device, to_id(id)), "creating or holding", id);
   }
 
@@ -365,14 +391,12 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     return core->graph_use_count(device, to_id(id));
   }
 
-  // A MemPool's destructor turns use_on_oom off whatever it was created with.
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom, "indexer-arena: MemPool(use_on_oom=True) is not supported: a pool's memory "
-                             "serves only allocations made inside it");
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
+    check(core->graph_set_use_on_oom(device, to_id(id), use_on_oom), "setting use_on_oom of", id);
   }
 
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false, "indexer-arena: MemPool(no_split=True) is not supported under the process scope");
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
+    check(core->graph_set_no_split(device, to_id(id)), "setting no_split of", id);
   }
 
   // ---- CUDA graph trees
