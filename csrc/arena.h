@@ -204,8 +204,8 @@ typedef struct ia_stats {
 
 /* A device's statistics in PyTorch's shape, what torch.cuda.memory_stats() reports in process
  * scope: one ia_stat_t per family and kind (IA_KIND_ALL: every arena of the device, graph pools
- * included; SMALL and LARGE: the general small and large pools), the field named for PyTorch's
- * family (IA_STAT_QUADS says which arena quantity it is). */
+ * included; SMALL and LARGE: the general small or large pool with the graph pools' arenas of that
+ * kind), the field named for PyTorch's family (IA_STAT_QUADS says which arena quantity it is). */
 enum { IA_KIND_ALL = 0, IA_KIND_SMALL = 1, IA_KIND_LARGE = 2, IA_KIND_COUNT = 3 };
 #define IA_TORCH_DECLARE(name, torch, doc) ia_stat_t torch[IA_KIND_COUNT];
 typedef struct ia_torch_stats {

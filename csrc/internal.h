@@ -243,8 +243,9 @@ void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
 /* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */
 void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
                           void *ctx);
-/* Adds the counters of the device's graph pools, carve-outs left out. */
-void _ia_graph_add_stats(int device, ia_stats_t *sum);
+/* Adds the counters of the device's graph pools' arenas of `kind` (-1: small and large), carve-outs
+ * left out. */
+void _ia_graph_add_stats(int device, int kind, ia_stats_t *sum);
 /* A backend whose reservations are blocks of `parent` taken on `stream`; events come from
  * `events`, which it owns. */
 ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,

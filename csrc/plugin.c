@@ -306,7 +306,7 @@ void ia_plugin_device_stats(int device, ia_stats_t *out) {
     ia_arena_stats(a, &s);
     _ia_stats_add(out, &s);
   }
-  _ia_graph_add_stats(device, out);
+  _ia_graph_add_stats(device, -1, out);
   ia_totals_t *t = &_ia_plugin.devices[device].totals;
   exact(&out->in_use, &t->in_use);
   exact(&out->requested, &t->requested);
@@ -332,6 +332,9 @@ void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
   ia_plugin_device_stats(device, &all);
   if (ia_plugin_arena(device, IA_POOL_SMALL)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_SMALL), &small);
   if (ia_plugin_arena(device, IA_POOL_LARGE)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_LARGE), &large);
+  /* As PyTorch counts a private pool's blocks in its small or large pool's statistics. */
+  _ia_graph_add_stats(device, GRAPH_SMALL, &small);
+  _ia_graph_add_stats(device, GRAPH_LARGE, &large);
 #define FILL(name, torch, doc)                                                                      \
   out->torch[IA_KIND_ALL] = all.name;                                                               \
   out->torch[IA_KIND_SMALL] = small.name;                                                           \

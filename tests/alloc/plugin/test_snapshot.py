@@ -104,3 +104,24 @@ lib.ia_torch_free(ffi.cast("void *", keep.pop()))
 s = torch_stats()
 assert (s.allocation[0].allocated, s.allocation[0].freed, s.allocation[0].current) == (0, 1, 1)
 """)
+
+
+def test_graph_pools_count_in_pytorchs_small_and_large_pool_statistics():
+    run("""
+def torch_stats():
+    s = ffi.new("ia_torch_stats_t *")
+    lib.ia_plugin_torch_stats(0, s)
+    return s
+eager = alloc(4096)
+before = torch_stats()
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, 5
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+small, large = alloc(4096, 2, p), alloc(3 * MiB, 2, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+s = torch_stats()
+assert s.allocation[1].current - before.allocation[1].current == 1          # small_pool
+assert s.allocation[2].current - before.allocation[2].current == 1          # large_pool
+assert s.reserved_bytes[1].current - before.reserved_bytes[1].current == 2 * MiB   # PyTorch's segments
+assert s.reserved_bytes[2].current - before.reserved_bytes[2].current == 20 * MiB
+assert s.segment[0].current == s.segment[1].current + s.segment[2].current
+""")
