@@ -4,7 +4,7 @@
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
 #   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [decode-graphs] [indexer]
-#                           [indexer-goals] [topk] [replay] [tp] [torch-tests]
+#                           [indexer-goals] [topk] [replay] [tp] [torch-tests] [memory-viz]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
 # runs tests-graphs, tests-scoped and tests-indexer four at a time, then their device_wide tests
@@ -75,7 +75,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     tests-alloc) step gpu_tests_alloc "${pytest[@]}" -m gpu \
                    tests/alloc/plugin/test_expandable.py ;;  # one process at a time: some fill the device
     tests-graphs) pytest_stage gpu_tests_graphs gpu tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py \
-                    tests/alloc/plugin/test_memory_stats.py ;;
+                    tests/alloc/plugin/test_memory_stats.py tests/alloc/plugin/test_memory_tools.py ;;
     tests-scoped) pytest_stage gpu_tests_scoped "" \
                     tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py tests/alloc/plugin/test_cpu.py \
                     tests/alloc/test_unified.py "tests/arena_tools/test_replay.py::test_gpu_side_by_side" \
@@ -92,6 +92,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
                      --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;
     topk) step topk_bench $py benchmarks/indexer/bench_topk.py --json "$OUT/topk.json" ;;
     tp) step tp_seed $py benchmarks/alloc/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
+    memory-viz) step memory_viz $py examples/memory_viz.py "$OUT/memory_viz" ;;
     torch-tests) step torch_tests $py benchmarks/alloc/torch_tests.py --tests "${TORCH_TESTS:-.torch-tests/test_cuda.py}" \
                    --jobs "${TORCH_TESTS_JOBS:-12}" --json "$OUT/torch_tests.json" --log "$OUT/torch_tests.jsonl" ;;
     replay)
