@@ -422,6 +422,8 @@ void _ia_tcache_orphan(_ia_tcache_t *c);
 void _ia_tcache_registry_lock(void);
 void _ia_tcache_registry_unlock(void);
 
+/* A new empty ring of `capacity` events in place of the old one. */
+ia_status_t _ia_trace_resize(ia_trace_t *trace, size_t capacity);
 void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t device, uint8_t pool,
                       uintptr_t address, uint64_t size, ia_stream_t stream);
 

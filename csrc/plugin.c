@@ -131,6 +131,8 @@ ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
   return IA_OK;
 }
 
+static ia_trace_t *recording(ia_trace_t *t) { return t && ia_trace_recording(t) ? t : NULL; }
+
 static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
   _ia_device_slot_t *slot = &_ia_plugin.devices[device];
   ia_totals_t *totals = &slot->totals;
@@ -143,7 +145,7 @@ static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **o
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   if (st == IA_OK) _ia_arena_set_totals(*out, totals);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, &_ia_plugin.devices[device].owner);
-  if (st == IA_OK && _ia_plugin.trace) ia_arena_set_trace(*out, _ia_plugin.trace, device, (uint8_t)pool);
+  if (st == IA_OK) ia_arena_set_trace(*out, recording(_ia_plugin.trace), device, (uint8_t)pool);
   return st;
 }
 
@@ -397,33 +399,39 @@ static void trace_graph_arena(void *target, ia_pool_id_t id, int kind, ia_arena_
   ia_arena_set_trace(arena, t->trace, t->device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
 }
 
-/* Every arena of every device, graph pools' included, records into the plugin's trace (NULL: none,
- * so that an arena nobody listens to pays nothing). Under the plugin's lock. */
-static void trace_every_arena(ia_trace_t *trace) {
+/* Every arena of every device records into the plugin's traces while they record (else none, so
+ * that an arena nobody listens to pays nothing). Under the plugin's lock. */
+static void trace_every_arena(void) {
   for (int d = 0; d < IA_MAX_DEVICES; d++) {
     if (atomic_load(&_ia_plugin.devices[d].ready) != 1) continue;
     for (int p = 0; p < IA_POOL_COUNT; p++)
-      if (ia_plugin_arena(d, p)) ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], trace, d, (uint8_t)p);
-    trace_target_t target = {trace, d};
+      if (ia_plugin_arena(d, p))
+        ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], recording(_ia_plugin.trace), d, (uint8_t)p);
+    trace_target_t target = {recording(_ia_plugin.graph_trace), d};
     _ia_graph_each_arena(d, trace_graph_arena, &target);
   }
 }
 
-/* The plugin's one trace: made on first use (a ring of `capacity` events, at least one), with its
- * ring and its sink as the callers set them. Under the plugin's lock. */
-static ia_status_t plugin_trace(size_t capacity) {
-  if (_ia_plugin.trace) return IA_OK;
-  ia_status_t st = ia_trace_create(capacity ? capacity : 1, &_ia_plugin.trace);
-  if (st == IA_OK) ia_trace_set_enabled(_ia_plugin.trace, false);
+/* The plugin's traces, made on first use (the eager arenas' with a ring of `capacity` events, at
+ * least one), their ring off and no sink until the callers set them. Under the plugin's lock. */
+static ia_status_t plugin_traces(size_t capacity) {
+  ia_status_t st = IA_OK;
+  /* A ring made for the sink alone (capacity 0) takes the first capacity a ring is started with. */
+  if (_ia_plugin.trace && capacity && !_ia_plugin.ring_sized) st = _ia_trace_resize(_ia_plugin.trace, capacity);
+  if (!_ia_plugin.trace && (st = ia_trace_create(capacity ? capacity : 1, &_ia_plugin.trace)) == IA_OK)
+    ia_trace_set_enabled(_ia_plugin.trace, false);
+  if (st == IA_OK && capacity) _ia_plugin.ring_sized = true;
+  if (st == IA_OK && !_ia_plugin.graph_trace && (st = ia_trace_create(1, &_ia_plugin.graph_trace)) == IA_OK)
+    ia_trace_set_enabled(_ia_plugin.graph_trace, false);
   return st;
 }
 
 ia_status_t ia_plugin_trace_start(size_t capacity) {
   pthread_mutex_lock(&_ia_plugin.lock);
-  ia_status_t st = plugin_trace(capacity);
+  ia_status_t st = plugin_traces(capacity);
   if (st == IA_OK) {
     ia_trace_set_enabled(_ia_plugin.trace, true);
-    trace_every_arena(_ia_plugin.trace);
+    trace_every_arena();
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
@@ -431,10 +439,11 @@ ia_status_t ia_plugin_trace_start(size_t capacity) {
 
 ia_status_t ia_plugin_trace_sink(ia_trace_sink_t sink, void *ctx) {
   pthread_mutex_lock(&_ia_plugin.lock);
-  ia_status_t st = sink ? plugin_trace(0) : IA_OK;
+  ia_status_t st = sink ? plugin_traces(0) : IA_OK;
   if (st == IA_OK && _ia_plugin.trace) {
     ia_trace_set_sink(_ia_plugin.trace, sink, ctx);
-    trace_every_arena(ia_trace_recording(_ia_plugin.trace) ? _ia_plugin.trace : NULL);
+    ia_trace_set_sink(_ia_plugin.graph_trace, sink, ctx);
+    trace_every_arena();
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
@@ -472,9 +481,9 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
   if (st == IA_OK && kind != GRAPH_WORKSPACE) _ia_arena_set_totals(*out, &slot->totals);
   if (st == IA_OK && kind == GRAPH_WORKSPACE) _ia_arena_watch_captures(*out, &slot->totals.captures);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
-  /* Under the graph pools' lock, which trace_every_arena also takes after setting the trace. */
-  if (st == IA_OK && _ia_plugin.trace && ia_trace_recording(_ia_plugin.trace))
-    ia_arena_set_trace(*out, _ia_plugin.trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
+  /* Under the graph pools' lock, which trace_every_arena also takes after setting the sink. */
+  if (st == IA_OK && recording(_ia_plugin.graph_trace))
+    ia_arena_set_trace(*out, _ia_plugin.graph_trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
   return st;
 }
 

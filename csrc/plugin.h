@@ -29,7 +29,9 @@ typedef struct {
   pthread_mutex_t lock; /* guards configuration and device creation */
   bool configured;
   ia_plugin_config_t config; /* its strings are plugin.c's own copies */
-  ia_trace_t *trace;
+  ia_trace_t *trace;       /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */
+  ia_trace_t *graph_trace; /* the graph pools' arenas': the sink alone, their events kept out of the ring */
+  bool ring_sized;         /* trace's ring was made or resized with the capacity a start asked for */
   _ia_device_slot_t devices[IA_MAX_DEVICES];
   _Atomic uint64_t ooms, retries;
 } _ia_plugin_t;

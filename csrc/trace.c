@@ -66,6 +66,19 @@ bool ia_trace_recording(ia_trace_t *t) {
 
 size_t ia_trace_capacity(const ia_trace_t *t) { return t->capacity; }
 
+ia_status_t _ia_trace_resize(ia_trace_t *t, size_t capacity) {
+  ia_trace_event_t *ring = capacity ? calloc(capacity, sizeof *ring) : NULL;
+  if (!ring) return capacity ? IA_ERR_NO_HOST_MEMORY : IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&t->lock);
+  ia_trace_event_t *old = t->ring;
+  t->ring = ring;
+  t->capacity = capacity;
+  t->written = 0;
+  pthread_mutex_unlock(&t->lock);
+  free(old);
+  return IA_OK;
+}
+
 void _ia_trace_record(ia_trace_t *t, ia_trace_action_t action, int32_t device, uint8_t pool,
                       uintptr_t address, uint64_t size, ia_stream_t stream) {
   struct timespec ts;

@@ -125,3 +125,25 @@ assert s.reserved_bytes[1].current - before.reserved_bytes[1].current == 2 * MiB
 assert s.reserved_bytes[2].current - before.reserved_bytes[2].current == 20 * MiB
 assert s.segment[0].current == s.segment[1].current + s.segment[2].current
 """)
+
+
+def test_the_ring_keeps_its_capacity_and_eager_pools_only_while_a_sink_listens():
+    run("""
+@ffi.callback("void(void *, const ia_trace_event_t *)")
+def sink(ctx, e):
+    pass
+assert lib.ia_plugin_trace_sink(sink, ffi.NULL) == lib.IA_OK   # history first: a ring of its own
+assert lib.ia_plugin_trace_start(1000) == lib.IA_OK           # then trace:1000
+ring = lib.ia_plugin_trace()
+assert lib.ia_trace_capacity(ring) == 1000
+lib.ia_trace_clear(ring)
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, 6
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+g = alloc(4096, 2, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+e = alloc(4096)
+events = ffi.new("ia_trace_event_t[]", 1000)
+n = lib.ia_trace_read(ring, events, 1000, ffi.NULL)
+allocs = [(x.action, x.address, x.pool) for x in events[0:n] if x.action != lib.IA_TRACE_RESERVE]
+assert allocs == [(lib.IA_TRACE_ALLOC, e, lib.IA_POOL_SMALL)], allocs   # not the graph pool's
+""")
