@@ -12,7 +12,8 @@
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/alloc/tp_seed.py)
 # (torch-tests: PyTorch's own graph and memory-tooling tests under both allocators,
 # benchmarks/alloc/torch_tests.py; TORCH_TESTS names PyTorch's test/test_cuda.py, which is not
-# part of this tree: default .torch-tests/test_cuda.py)
+# part of this tree: default .torch-tests/test_cuda.py; TORCH_TESTS_ARGS: more of its flags, e.g.
+# "-k REGEX --alone 4")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST="${OUT:-gpu-out}"
@@ -94,7 +95,8 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     tp) step tp_seed $py benchmarks/alloc/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     memory-viz) step memory_viz $py examples/memory_viz.py "$OUT/memory_viz" ;;
     torch-tests) step torch_tests $py benchmarks/alloc/torch_tests.py --tests "${TORCH_TESTS:-.torch-tests/test_cuda.py}" \
-                   --jobs "${TORCH_TESTS_JOBS:-12}" --json "$OUT/torch_tests.json" --log "$OUT/torch_tests.jsonl" ;;
+                   --jobs "${TORCH_TESTS_JOBS:-12}" --json "$OUT/torch_tests.json" --log "$OUT/torch_tests.jsonl" \
+                   ${TORCH_TESTS_ARGS:-} ;;
     replay)
       step report_example $py examples/report_example.py "$OUT/report"
       step replay $py -m arena_tools replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;

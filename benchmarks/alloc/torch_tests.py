@@ -119,6 +119,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=8, help="children at a time (default 8)")
     p.add_argument("--timeout", type=float, default=180, help="seconds a test may take (default 180)")
     p.add_argument("--log", help="append each result here as a JSON line as soon as it is known")
+    p.add_argument("--alone", type=int, default=None,
+                   help="run at most this many differing tests again alone (default: all of them)")
     args = p.parse_args()
     tests = Path(args.tests).resolve()
     if not tests.is_file():
@@ -147,6 +149,7 @@ def main() -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         results = {(r["test"], r["allocator"]): r for r in pool.map(lambda w: one(*w), work)}
     again = sorted({n for n in nodes if results[(n, "default")]["outcome"] != results[(n, "arena")]["outcome"]})
+    again = again[:args.alone] if args.alone is not None else again
     print(f"torch_tests: {len(again)} tests again, one at a time", file=sys.stderr, flush=True)
     for n in again:
         for a in ALLOCATORS:
