@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .units import MAX_SIZE
+from .units import MAX_SIZE, whole_number
 
 ENV_VAR = "INDEXER_ARENA_CONF"
 VLLM_BUDGET_VAR = "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"
@@ -37,17 +37,9 @@ def _path(text: str) -> str:
 MAX_MIB = MAX_SIZE >> 20  # MiB counts whose bytes the core can take
 
 
-def _whole_number(text: str) -> int:
-    """Digits 0-9 only, optionally after a minus sign: no underscores, no other scripts' digits."""
-    digits = text[1:] if text.startswith("-") else text
-    if not (digits.isascii() and digits.isdigit()):
-        raise ValueError("not an integer written in the digits 0-9")
-    return int(text, 10)
-
-
 def _int_in(low: int, high: int, below: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = _whole_number(text)
+        value = whole_number(text)
         if value < low:
             raise ValueError(below)
         if value > high:
@@ -57,7 +49,7 @@ def _int_in(low: int, high: int, below: str) -> Callable[[str], int]:
 
 
 def _power_of_two_16(text: str) -> int:
-    value = _whole_number(text)
+    value = whole_number(text)
     if value < 16 or value & (value - 1) or value > 1 << 30:
         raise ValueError("must be a power of two from 16 to 2**30")
     return value
@@ -185,6 +177,21 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
                               "the two settings disagree")
         values["budget_mb"] = budget
     return Config(**values)
+
+
+def argument(name: str) -> Callable[[str], object]:
+    """An argparse type reading a command-line flag as the key ``name`` is read, so that the flag
+    and the key take the same values and refuse the others with the same words."""
+    key = KEYS[name]
+
+    def parse(text: str) -> object:
+        try:
+            return key.parse(text.strip())
+        except ValueError as e:
+            import argparse
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {e}; accepted: {key.accepted}") from None
+    parse.__name__ = name
+    return parse
 
 
 def describe_keys() -> str:

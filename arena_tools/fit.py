@@ -40,6 +40,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
+from alloc.config import argument
 from alloc.errors import ConfigError
 from alloc.units import MiB
 
@@ -420,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=SEED["max_model_len"], metavar="TOKENS")
     p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS")
     p.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
-    p.add_argument("--budget-mb", type=int, default=None, metavar="MIB",
+    p.add_argument("--budget-mb", type=argument("budget_mb"), default=None, metavar="MIB",
                    help="workspace budget (default: budget_mb of INDEXER_ARENA_CONF, as the "
                         "allocator would take it; 512 without one)")
     p.add_argument("--prompt-tokens", type=int, default=SEED["prompt_tokens"], metavar="TOKENS")

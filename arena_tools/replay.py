@@ -42,6 +42,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from alloc.config import argument
 from alloc.units import MiB, fmt_bytes, output_width
 
 from .allocators import parse_names
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(ALLOCATORS)} (default: all where CUDA is, "
                         "else host)")
     p.add_argument("--device", type=int, default=0, help="CUDA device of a single-device trace")
-    p.add_argument("--budget-mb", type=int,
+    p.add_argument("--budget-mb", type=argument("budget_mb"),
                    help="workspace budget (default: the trace's when it records one, else the configuration's)")
     p.add_argument("--workspace-all", action="store_true",
                    help="serve every allocation from the workspace arena (e.g. an RMM log of workspaces)")
@@ -145,12 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker:
         return gpu_worker(args)
-    for flag in ("sample_every", "sample_bytes", "budget_mb"):
+    for flag in ("sample_every", "sample_bytes"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    from alloc.errors import ConfigError
+    from alloc.errors import ArenaError, ConfigError
 
     from .paths import unwritable
     why_not = unwritable(args.json, "--json") if args.json else None
@@ -183,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         progress = Progress(TextColumn("{task.description:>24}"), BarColumn(), MofNCompleteColumn(),
                             TimeRemainingColumn(), transient=False)
         progress.start()
+    refused = None
     try:
         for name in names:
             task = progress.add_task(f"{name}", total=len(plan.ops)) if progress else None
@@ -196,9 +198,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                            progress=tick, sample_every=args.sample_every, plan=plan))
             else:
                 results.append(run_worker(name, os.path.abspath(args.trace), args, tick, budget >> 20))
+    except ArenaError as e:  # the host could not make an arena the replay needs (replay_host says why)
+        refused = e
     finally:
         if progress is not None:
             progress.stop()
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
     text = render_table(results, plan, trace, budget, why, width=output_width(sys.stdout.isatty(), 150))
     if args.json:
         data = json.dumps({"trace": {"path": trace.path, "kind": trace.kind, "budget": budget,
