@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._core import ffi, lib
+from .config import c_path
 from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
 from .units import MAX_SIZE, U64_MAX, fmt_bytes
 
@@ -94,13 +95,30 @@ class HostGuard:
     cgroup_root: str | None = None
     available: object = None
 
+    def __post_init__(self):
+        _checked("headroom", self.headroom, 0, U64_MAX)
+        for name in ("meminfo", "cgroup_root"):
+            value = getattr(self, name)
+            if value is not None and (value or name == "meminfo"):  # cgroup_root "": no cgroups
+                path_bytes(name, value)
+
+
+def path_bytes(name: str, value) -> bytes:
+    """A path argument as the C core takes it; ValueError naming it when C cannot."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a path (str), got {value!r}")
+    try:
+        return c_path(value)
+    except ValueError as e:
+        raise ValueError(f"{name} {value!r}: {e}") from None
+
 
 def _guarded(inner, guard: HostGuard, keepalive: list):
     opts = ffi.new("ia_guard_options_t *")
     opts.headroom = guard.headroom
     for field, value in (("meminfo_path", guard.meminfo), ("cgroup_root", guard.cgroup_root)):
         if value is not None:
-            keepalive.append(ffi.new("char[]", value.encode()))
+            keepalive.append(ffi.new("char[]", os.fsencode(value)))
             setattr(opts, field, keepalive[-1])
     if guard.available is not None:
         fn = guard.available

@@ -28,9 +28,22 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _path(text: str) -> str:
+def c_path(text: str) -> bytes:
+    """A path as the C core opens it: the file system's bytes, with no NUL byte (C would read the
+    path as cut there and open another file)."""
     if not text:
         raise ValueError("must not be empty")
+    if "\0" in text:
+        raise ValueError(f"a NUL byte at position {text.index(chr(0))} would end the path there in C")
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the character {text[e.start]!r} at position {e.start} cannot be written "
+                         "as a file name here") from None
+
+
+def _path(text: str) -> str:
+    c_path(text)
     return text
 
 

@@ -149,3 +149,21 @@ def test_seed_workload_default_model_fails_where_predicted_and_the_arena_complet
     assert sum(reserved) < GiB
     workspace.close()
     general.close()
+
+
+def test_a_path_c_would_cut_at_a_nul_byte_is_refused(tmp_path):
+    path = meminfo(tmp_path, 3 * 1024)
+    for make in (lambda p: read(p, cgroup_root=""), lambda p: HostGuard(meminfo=p),
+                 lambda p: HostGuard(meminfo=path, cgroup_root=p)):
+        with pytest.raises(ValueError, match=r"NUL byte at position \d+ would end the path there"):
+            make(path + "\0/elsewhere")  # C would open `path` itself
+
+
+def test_a_path_of_bytes_no_encoding_decodes_is_opened_whole(tmp_path):
+    import os
+    raw = os.path.join(os.fsencode(tmp_path), b"mem\xffinfo")  # not UTF-8: os.fsdecode escapes the byte
+    with open(raw, "w") as f:
+        f.write("MemAvailable:   2048 kB\n")
+    assert read(os.fsdecode(raw), cgroup_root="").available == 2 * MiB
+    with Arena(MiB, guard=HostGuard(meminfo=os.fsdecode(raw), cgroup_root="")) as a:
+        assert a.allocate(4096)
