@@ -210,6 +210,9 @@ class Arena:
         _checked("address_range", address_range, 0, MAX_SIZE)
         if address_range and not growable:
             raise ValueError("address_range needs growable=True: a mapping arena grows page by page")
+        if address_range and capacity > address_range:
+            raise ValueError(f"capacity {capacity} is more than address_range {address_range}: a mapping "
+                             "arena maps its capacity inside its address range")
         if page_size is not None:
             _power_of_two("page_size", page_size, 4096)
             if backend != "host" or not address_range:
@@ -243,8 +246,13 @@ class Arena:
             self._backend = self._host_controls = ffi.NULL
             why = self._backend_detail(status) or status_text(status)
             if status in (lib.IA_ERR_BACKEND_OUT_OF_MEMORY, lib.IA_ERR_HOST_MEMORY_GUARD):
-                raise ArenaOutOfMemory(f"{name}: could not reserve {fmt_bytes(capacity)} from the "
-                                       f"{backend} backend: {why}", requested=capacity, stats={})
+                # A mapping arena reserves its address range first, then maps the capacity in it.
+                what = fmt_bytes(capacity)
+                if address_range:
+                    what = f"an address range of {fmt_bytes(address_range)} (address_range={address_range})" \
+                        + (f" with its first {what} mapped" if capacity else "")
+                raise ArenaOutOfMemory(f"{name}: could not reserve {what} from the {backend} backend: "
+                                       f"{why}", requested=address_range or capacity, stats={})
             raise BackendError(f"{name}: could not create the arena: {why}")
         self._arena = out[0]
         self._owned = True
