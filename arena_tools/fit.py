@@ -55,6 +55,11 @@ ALLOCATORS = tuple(TABLE[n].name for n in ("default", "arena"))
 SEED = dict(max_model_len=262_144, chunk_tokens=3_200, compress_ratio=4, budget_mb=512,
             prompt_tokens=254_000)
 """The measured seed workload; max_model_len is any length that admits the prompt."""
+MAX_CHUNKS = 20_000
+"""The most chunks a check models: a 10-million-token prompt in 512-token chunks. The report is a
+row per chunk, so a plan of more (1 token per chunk of a long prompt: millions) would run for hours
+and print a table nobody reads; it is refused at once, naming the chunk size that fits. At the
+bound the model takes seconds and the table a minute."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -295,6 +300,11 @@ def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: i
                           f"a positive number of tokens no larger than max_model_len "
                           f"({max_model_len:,})", reason="longer than max_model_len")
     _check_int("topk", topk, 0, "a non-negative number of keys per query (0: no per-piece output)")
+    if cdiv(prompt_tokens, chunk_tokens) > MAX_CHUNKS:
+        raise ConfigError("chunk_tokens", chunk_tokens,
+                          f"at least {cdiv(prompt_tokens, MAX_CHUNKS):,} tokens for a {prompt_tokens:,}-token prompt",
+                          reason=f"{cdiv(prompt_tokens, chunk_tokens):,} chunks, more than the {MAX_CHUNKS:,} "
+                                 "a fit check models")
     if allocator not in ALLOCATORS:
         raise ConfigError("allocator", allocator, " or ".join(map(repr, ALLOCATORS)))
     row = logits_width(max_model_len, compress_ratio) * 4
@@ -419,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "holds, and where the default would cross the available memory. Exit status: "
                     "0 fits, 1 does not fit, 2 bad arguments.")
     p.add_argument("--max-model-len", type=int, default=SEED["max_model_len"], metavar="TOKENS")
-    p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS")
+    p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS",
+                   help=f"tokens per chunk; the prompt may take at most {MAX_CHUNKS:,} chunks")
     p.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
     p.add_argument("--budget-mb", type=argument("budget_mb"), default=None, metavar="MIB",
                    help="workspace budget (default: budget_mb of INDEXER_ARENA_CONF, as the "

@@ -454,6 +454,22 @@ def test_bad_arguments_exit_2(argv, pattern, capsys):
     assert re.search(pattern, capsys.readouterr().err)
 
 
+def test_a_plan_of_more_chunks_than_the_bound_is_refused_at_once(capsys):
+    from arena_tools.fit import MAX_CHUNKS
+    tokens = MAX_CHUNKS + 1  # one token per chunk: one chunk past the bound
+    with pytest.raises(ValueError, match=rf"invalid value 1 for 'chunk_tokens': {MAX_CHUNKS + 1:,} chunks, more "
+                                         rf"than the {MAX_CHUNKS:,} a fit check models; accepted: at least 2 tokens"):
+        fit(**{**GOOD, "max_model_len": tokens, "prompt_tokens": tokens, "chunk_tokens": 1})
+    assert len(fit(**{**GOOD, "max_model_len": tokens, "prompt_tokens": tokens - 1, "chunk_tokens": 1}).rows) \
+        == MAX_CHUNKS
+    capsys.readouterr()
+    for prompt in (tokens, 10**8):  # the 10**8 tokens would have run for days
+        assert main(["--max-model-len", str(prompt), "--prompt-tokens", str(prompt), "--chunk-tokens", "1",
+                     "--available-mb", "8192", "--json"]) == 2
+        out, err = capsys.readouterr()
+        assert not out and len(err.splitlines()) == 1 and f"{prompt:,} chunks, more than the {MAX_CHUNKS:,}" in err
+
+
 def test_help_exits_0(capsys):
     assert main(["--help"]) == 0
     assert "0 fits, 1 does not fit, 2 bad arguments" in " ".join(capsys.readouterr().out.split())
