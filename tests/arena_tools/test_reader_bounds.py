@@ -233,3 +233,8 @@ def test_every_integer_field_of_a_json_report(tmp_path, capsys, field, value):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(doc))
     run(report.main, [str(path), "--text", str(tmp_path / "out.txt")], capsys)
+
+
+def test_the_readers_device_bound_is_the_cores():
+    from alloc._core import lib  # the readers themselves run without the compiled core
+    assert MAX_DEVICES == lib.IA_MAX_DEVICES
