@@ -192,19 +192,17 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
     return Config(**values)
 
 
-def argument(name: str) -> Callable[[str], object]:
-    """An argparse type reading a command-line flag as the key ``name`` is read, so that the flag
-    and the key take the same values and refuse the others with the same words."""
+def flag_value(name: str, flag: str, value: int | str | None) -> object:
+    """A command-line flag's value checked as the key ``name`` is (None: not given), so that the
+    flag and the key take the same values; else ValueError naming the flag, the value and what is
+    accepted, one line for the command to print."""
+    if value is None:
+        return None
     key = KEYS[name]
-
-    def parse(text: str) -> object:
-        try:
-            return key.parse(text.strip())
-        except ValueError as e:
-            import argparse
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: {e}; accepted: {key.accepted}") from None
-    parse.__name__ = name
-    return parse
+    try:
+        return key.parse(str(value).strip())
+    except ValueError as e:
+        raise ValueError(f"{flag} {value}: {e}; accepted: {key.accepted}") from None
 
 
 def describe_keys() -> str:

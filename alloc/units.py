@@ -9,9 +9,15 @@ MAX_SIZE = 1 << 62
 MAX_DEVICES = 64
 """Devices the allocator serves: indices 0 to MAX_DEVICES - 1 (IA_MAX_DEVICES in csrc/arena.h)."""
 
-_BOUNDS = {U64_MAX: "2**64 - 1, the most a 64-bit field holds",
-           MAX_SIZE: "2**62, the most an arena takes",
-           MAX_DEVICES - 1: "the highest device index the allocator serves"}
+_BOUNDS = {U64_MAX: ("2**64 - 1", "the most a 64-bit field holds"),
+           MAX_SIZE: ("2**62", "the most an arena takes"),
+           MAX_DEVICES - 1: (str(MAX_DEVICES - 1), "the highest device index the allocator serves")}
+
+
+def bound_name(high: int) -> str:
+    """How a message names a bound above: '2**62 (the most an arena takes)'."""
+    short, why = _BOUNDS.get(high, (str(high), ""))
+    return f"{short} ({why})" if why else short
 
 
 def is_count(value) -> bool:
@@ -44,8 +50,9 @@ def bounded(value: int, low: int, high: int) -> int:
     if value < low:
         raise ValueError("negative" if low == 0 else f"less than {low}")
     if value > high:
-        why = _BOUNDS.get(high)
-        raise ValueError(f"more than {high}" + (f" ({why})" if why else ""))
+        short, why = _BOUNDS.get(high, (str(high), ""))
+        raise ValueError(f"more than {high}" + (f" ({short}, {why})" if short != str(high) else
+                                                (f" ({why})" if why else "")))
     return value
 
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from alloc.records import STREAM_NONE, Event
-from alloc.units import MAX_DEVICES, MAX_SIZE, U64_MAX, bounded, is_count, is_int_in, whole_number
+from alloc.units import MAX_DEVICES, MAX_SIZE, U64_MAX, bound_name, bounded, is_count, is_int_in, whole_number
 
 RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 EXTRA_COLUMNS = ("Device", "Pool")
@@ -429,10 +429,10 @@ def _fields(path: str, where: str, item, required: dict, optional: dict) -> None
             raise TraceFormatError(path, f"{where}.{key}", f"expected {expected}, found {item.get(key)!r}")
 
 
-COUNT = (is_count, "an integer from 0 to 2**64 - 1")
-DEVICE = (lambda v: is_int_in(v, 0, MAX_DEVICES - 1), f"a device index from 0 to {MAX_DEVICES - 1}")
+COUNT = (is_count, f"an integer from 0 to {bound_name(U64_MAX)}")
+DEVICE = (lambda v: is_int_in(v, 0, MAX_DEVICES - 1), f"a device index from 0 to {bound_name(MAX_DEVICES - 1)}")
 BUDGET = (lambda v: v is None or is_int_in(v, 0, MAX_SIZE),  # None: to_snapshot had no report to say
-          "a byte count from 0 to 2**62 (the most an arena takes), or none")
+          f"a byte count from 0 to {bound_name(MAX_SIZE)}, or none")
 TEXT = (lambda v: isinstance(v, str), "a string")
 MICROSECONDS = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**64 / 1000,
                 "a non-negative number of microseconds whose nanoseconds fit in 64 bits")
@@ -452,9 +452,11 @@ def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
     for d, entries in enumerate(snapshot["device_traces"]):
         if not isinstance(entries, list):
             raise TraceFormatError(path, f"device_traces[{d}]", "not a list of trace entries")
-        if entries and d >= MAX_DEVICES:
-            raise TraceFormatError(path, f"device_traces[{d}]", f"events of device {d}: more than "
-                                   f"{MAX_DEVICES - 1}, the highest device index the allocator serves")
+        try:
+            if entries:
+                bounded(d, 0, MAX_DEVICES - 1)
+        except ValueError as e:
+            raise TraceFormatError(path, f"device_traces[{d}]", f"events of device {d}: {e}") from None
         for k, t in enumerate(entries):
             _fields(path, f"device_traces[{d}][{k}]", t, {"action": TEXT},
                     {"addr": COUNT, "size": COUNT, "time_us": MICROSECONDS, "ia_time_ns": COUNT, "ia_seq": COUNT,

@@ -40,7 +40,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-from alloc.config import argument
+from alloc.config import flag_value
 from alloc.errors import ConfigError
 from alloc.units import MiB
 
@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS",
                    help=f"tokens per chunk; the prompt may take at most {MAX_CHUNKS:,} chunks")
     p.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
-    p.add_argument("--budget-mb", type=argument("budget_mb"), default=None, metavar="MIB",
+    p.add_argument("--budget-mb", type=int, default=None, metavar="MIB",
                    help="workspace budget (default: budget_mb of INDEXER_ARENA_CONF, as the "
                         "allocator would take it; 512 without one)")
     p.add_argument("--prompt-tokens", type=int, default=SEED["prompt_tokens"], metavar="TOKENS")
@@ -454,13 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 0 for --help and 2 for its own errors
         return 0 if e.code in (0, None) else 2
-    if args.budget_mb is None:
-        from alloc.config import from_env
-        try:
-            args.budget_mb = from_env().budget_mb
-        except ConfigError as e:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
-            return 2
+    from alloc.config import from_env
+    try:  # as the allocator would take it: the flag, else the configuration
+        args.budget_mb = flag_value("budget_mb", "--budget-mb", args.budget_mb) or from_env().budget_mb
+    except ValueError as e:  # ConfigError too
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     if args.plot and unwritable(args.plot, "--plot"):
         print(f"{parser.prog}: error: {unwritable(args.plot, '--plot')}", file=sys.stderr)
         return 2

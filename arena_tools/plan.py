@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from alloc.errors import ConfigError
 from alloc.plugin import POOLS, SMALL_REQUEST
-from alloc.units import MAX_SIZE, MiB, bounded
+from alloc.units import MAX_SIZE, MiB, bound_name, bounded
 
 from .export import TraceFile, TraceFormatError
 
@@ -103,7 +103,7 @@ def workspace_budget(trace: TraceFile, budget: int | None = None) -> tuple[int, 
         bounded(budget, 1, MAX_SIZE)
     except ValueError as e:
         if why == "given":
-            raise ConfigError("budget", budget, "1 to 2**62 bytes", reason=str(e)) from None
+            raise ConfigError("budget", budget, f"1 to {bound_name(MAX_SIZE)} bytes", reason=str(e)) from None
         raise TraceFormatError(trace.path, None, f"the workspace budget it records, {budget} bytes, is "
                                f"{e}; pass --budget-mb") from None
     return budget, why

@@ -442,8 +442,8 @@ def test_table_names_the_crossing(capsys):
     (["--chunk-tokens", "0"], r"invalid value 0 for 'chunk_tokens'"),
     (["--prompt-tokens", "300000"], r"invalid value 300000 for 'prompt_tokens'.*max_model_len"),
     (["--available-mb", "-1"], r"--available-mb must be a positive number of MiB, got -1"),
-    (["--budget-mb", "lots"], r"--budget-mb: invalid value 'lots': not an integer"),
-    (["--budget-mb", "99999999999999"], r"--budget-mb: invalid value '99999999999999': must be at most 4398046511104"),
+    (["--budget-mb", "lots"], r"--budget-mb: invalid int value: 'lots'"),
+    (["--budget-mb", "99999999999999"], r"--budget-mb 99999999999999: must be at most 4398046511104"),
     (["--allocator", "cuda"], r"invalid choice: 'cuda'"),
     (["--frobnicate"], r"unrecognized arguments: --frobnicate"),
 ])

@@ -29,19 +29,13 @@ SETTINGS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), de
 
 
 def run(command, argv, capsys) -> tuple[int, str]:
-    """The command's exit status and its last line of error output, the only one on status 2
-    (argparse's refusals come after its usage lines)."""
-    try:
-        rc = command(argv)
-    except SystemExit as e:  # argparse's own refusals
-        rc = e.code
+    """The command's exit status and its last line of error output, the only one on status 2."""
+    rc = command(argv)
     err = capsys.readouterr().err
     assert rc in (0, 1, 2)
     lines = err.strip().splitlines()
     if rc == 2:
-        assert "Traceback" not in err and lines, err
-        assert len(lines) == 1 or (lines[0].startswith("usage:") and lines[-1].startswith(
-            f"python -m arena_tools {command.__module__.split('.')[-1]}: error: argument")), err
+        assert "Traceback" not in err and len(lines) == 1, err
     return rc, lines[-1] if lines else ""
 
 
@@ -191,8 +185,8 @@ def test_a_recorded_budget_past_an_arena_exits_2(tmp_path, capsys, change, words
 
 @pytest.mark.parametrize("command", [report.main, replay.main])
 @pytest.mark.parametrize("mib, words", [
-    ("99999999999999", "invalid value '99999999999999': must be at most 4398046511104"),
-    ("0", "must be greater than zero"), ("1e3", "digits 0-9"),
+    ("99999999999999", "--budget-mb 99999999999999: must be at most 4398046511104"),
+    ("0", "--budget-mb 0: must be greater than zero"),
     (str(MAX_SIZE >> 20), "pass a smaller --budget-mb"),  # an arena's most, and more than this host has
 ])
 def test_a_budget_on_the_command_line_is_bounded(tmp_path, capsys, command, mib, words):
