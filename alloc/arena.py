@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ._core import ffi, lib
+from .config import c_path
 from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
 from .units import MAX_SIZE, U64_MAX, fmt_bytes
 
@@ -94,13 +95,30 @@ class HostGuard:
     cgroup_root: str | None = None
     available: object = None
 
+    def __post_init__(self):
+        _checked("headroom", self.headroom, 0, U64_MAX)
+        for name in ("meminfo", "cgroup_root"):
+            value = getattr(self, name)
+            if value is not None and (value or name == "meminfo"):  # cgroup_root "": no cgroups
+                path_bytes(name, value)
+
+
+def path_bytes(name: str, value) -> bytes:
+    """A path argument as the C core takes it; ValueError naming it when C cannot."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a path (str), got {value!r}")
+    try:
+        return c_path(value)
+    except ValueError as e:
+        raise ValueError(f"{name} {value!r}: {e}") from None
+
 
 def _guarded(inner, guard: HostGuard, keepalive: list):
     opts = ffi.new("ia_guard_options_t *")
     opts.headroom = guard.headroom
     for field, value in (("meminfo_path", guard.meminfo), ("cgroup_root", guard.cgroup_root)):
         if value is not None:
-            keepalive.append(ffi.new("char[]", value.encode()))
+            keepalive.append(ffi.new("char[]", os.fsencode(value)))
             setattr(opts, field, keepalive[-1])
     if guard.available is not None:
         fn = guard.available
@@ -192,6 +210,9 @@ class Arena:
         _checked("address_range", address_range, 0, MAX_SIZE)
         if address_range and not growable:
             raise ValueError("address_range needs growable=True: a mapping arena grows page by page")
+        if address_range and capacity > address_range:
+            raise ValueError(f"capacity {capacity} is more than address_range {address_range}: a mapping "
+                             "arena maps its capacity inside its address range")
         if page_size is not None:
             _power_of_two("page_size", page_size, 4096)
             if backend != "host" or not address_range:
@@ -225,8 +246,13 @@ class Arena:
             self._backend = self._host_controls = ffi.NULL
             why = self._backend_detail(status) or status_text(status)
             if status in (lib.IA_ERR_BACKEND_OUT_OF_MEMORY, lib.IA_ERR_HOST_MEMORY_GUARD):
-                raise ArenaOutOfMemory(f"{name}: could not reserve {fmt_bytes(capacity)} from the "
-                                       f"{backend} backend: {why}", requested=capacity, stats={})
+                # A mapping arena reserves its address range first, then maps the capacity in it.
+                what = fmt_bytes(capacity)
+                if address_range:
+                    what = f"an address range of {fmt_bytes(address_range)} (address_range={address_range})" \
+                        + (f" with its first {what} mapped" if capacity else "")
+                raise ArenaOutOfMemory(f"{name}: could not reserve {what} from the {backend} backend: "
+                                       f"{why}", requested=address_range or capacity, stats={})
             raise BackendError(f"{name}: could not create the arena: {why}")
         self._arena = out[0]
         self._owned = True

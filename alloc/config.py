@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .errors import ConfigError
-from .units import MAX_SIZE
+from .units import MAX_SIZE, whole_number
 
 ENV_VAR = "INDEXER_ARENA_CONF"
 VLLM_BUDGET_VAR = "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"
@@ -28,26 +28,31 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _path(text: str) -> str:
+def c_path(text: str) -> bytes:
+    """A path as the C core opens it: the file system's bytes, with no NUL byte (C would read the
+    path as cut there and open another file)."""
     if not text:
         raise ValueError("must not be empty")
+    if "\0" in text:
+        raise ValueError(f"a NUL byte at position {text.index(chr(0))} would end the path there in C")
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the character {text[e.start]!r} at position {e.start} cannot be written "
+                         "as a file name here") from None
+
+
+def _path(text: str) -> str:
+    c_path(text)
     return text
 
 
 MAX_MIB = MAX_SIZE >> 20  # MiB counts whose bytes the core can take
 
 
-def _whole_number(text: str) -> int:
-    """Digits 0-9 only, optionally after a minus sign: no underscores, no other scripts' digits."""
-    digits = text[1:] if text.startswith("-") else text
-    if not (digits.isascii() and digits.isdigit()):
-        raise ValueError("not an integer written in the digits 0-9")
-    return int(text, 10)
-
-
 def _int_in(low: int, high: int, below: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = _whole_number(text)
+        value = whole_number(text)
         if value < low:
             raise ValueError(below)
         if value > high:
@@ -57,7 +62,7 @@ def _int_in(low: int, high: int, below: str) -> Callable[[str], int]:
 
 
 def _power_of_two_16(text: str) -> int:
-    value = _whole_number(text)
+    value = whole_number(text)
     if value < 16 or value & (value - 1) or value > 1 << 30:
         raise ValueError("must be a power of two from 16 to 2**30")
     return value
@@ -185,6 +190,19 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
                               "the two settings disagree")
         values["budget_mb"] = budget
     return Config(**values)
+
+
+def flag_value(name: str, flag: str, value: int | str | None) -> object:
+    """A command-line flag's value checked as the key ``name`` is (None: not given), so that the
+    flag and the key take the same values; else ValueError naming the flag, the value and what is
+    accepted, one line for the command to print."""
+    if value is None:
+        return None
+    key = KEYS[name]
+    try:
+        return key.parse(str(value).strip())
+    except ValueError as e:
+        raise ValueError(f"{flag} {value}: {e}; accepted: {key.accepted}") from None
 
 
 def describe_keys() -> str:

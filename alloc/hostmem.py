@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._core import ffi, lib
+from .arena import path_bytes
 from .errors import BackendError
 
 
@@ -24,7 +25,8 @@ def read(meminfo: str | None = None, cgroup_root: str | None = None) -> HostMemo
     """Reads ``meminfo`` (default /proc/meminfo) and the cgroup under ``cgroup_root`` (default
     /sys/fs/cgroup, v2 or v1; "" to ignore cgroups)."""
     out = ffi.new("ia_host_memory_t *")
-    args = [ffi.new("char[]", p.encode()) if p is not None else ffi.NULL for p in (meminfo, cgroup_root)]
+    args = [ffi.new("char[]", path_bytes(name, p) if p else b"") if p is not None else ffi.NULL
+            for name, p in (("meminfo", meminfo), ("cgroup_root", cgroup_root))]
     if lib.ia_host_memory_read(args[0], args[1], out) != lib.IA_OK:
         raise BackendError(ffi.string(lib.ia_guard_last_message()).decode())
     limit = int(out.cgroup_limit) or None

@@ -150,7 +150,7 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
     cudart = loaded_cudart()
     if scope == "process" and config.expandable == "on":
         _check_mapping(cudart, torch.cuda.device_count())
-    strings = tuple(ffi.new("char[]", s.encode()) if s else ffi.NULL
+    strings = tuple(ffi.new("char[]", config_mod.c_path(s)) if s else ffi.NULL
                     for s in (cudart, config.meminfo, config.oom_report))
     c = ffi.new("ia_plugin_config_t *")
     c.scope = _SCOPE_CODES[scope]

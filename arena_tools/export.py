@@ -35,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from alloc.records import STREAM_NONE, Event
-from alloc.units import is_count
+from alloc.units import MAX_DEVICES, MAX_SIZE, U64_MAX, bound_name, bounded, is_count, is_int_in, whole_number
 
 RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
 EXTRA_COLUMNS = ("Device", "Pool")
@@ -112,34 +112,38 @@ def write_csv(events: Iterable[Event], path: str | os.PathLike, *, extended: boo
         f.writelines(csv_lines(events, extended=extended))
 
 
-def _parse_int(text: str, what: str, base: int) -> int:
-    value = int(text, base)
-    if value < 0:
-        raise ValueError(f"{what} must not be negative")
-    return value
+def _count(text: str, base: int = 10, high: int = U64_MAX) -> int:
+    """A field the C core holds in 64 bits (sizes, pointers, streams, threads) or as a device index."""
+    return bounded(whole_number(text, base), 0, high)
 
 
 def _parse_pointer(text: str) -> int:
     if text == "(nil)":  # glibc's %p of NULL, which RMM's parser also accepts
         return 0
-    return _parse_int(text, "a pointer", 16)
+    return _count(text, 16)
 
 
 def _parse_stream(text: str) -> int:
     if text == "(nil)":
         return 0
-    return _parse_int(text, "a stream", 16 if text.lower().startswith("0x") else 10)
+    return _count(text, 16 if text.lstrip("-")[:2].lower() == "0x" else 10)
 
 
 def _parse_time(text: str) -> int:
     clock, _, fraction = text.partition(".")
     parts = clock.split(":")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts) or (fraction and not fraction.isdigit()):
+    if len(parts) != 3 or not all(p.isascii() and p.isdigit() for p in parts) \
+            or (fraction and not (fraction.isascii() and fraction.isdigit())):
         raise ValueError("expected HH:MM:SS.ffffff")
     h, m, s = map(int, parts)
     if h > 23 or m > 59 or s > 60:
         raise ValueError("expected HH:MM:SS.ffffff")
     return ((h * 60 + m) * 60 + s) * 10**9 + int((fraction + "000000000")[:9])
+
+
+CSV_FIELDS = {"Thread": _count, "Time": _parse_time, "Pointer": _parse_pointer, "Size": _count,
+              "Stream": _parse_stream, "Device": lambda t: _count(t, high=MAX_DEVICES - 1)}
+"""How each numeric column is read, bounded to what the C core holds."""
 
 
 def read_csv(path: str | os.PathLike, *, text: str | None = None) -> TraceFile:
@@ -183,18 +187,14 @@ def read_csv(path: str | os.PathLike, *, text: str | None = None) -> TraceFile:
             raise TraceFormatError(path, f"line {lineno}", f"unknown action {action_text!r}; "
                                    f"expected one of {', '.join(ACTION_OF_CSV)}")
         values = {}
-        for name, parse in (("Thread", lambda t: _parse_int(t, "a thread id", 10)),
-                            ("Time", _parse_time), ("Pointer", _parse_pointer),
-                            ("Size", lambda t: _parse_int(t, "a size", 10)), ("Stream", _parse_stream),
-                            ("Device", lambda t: _parse_int(t, "a device", 10))):
+        for name, parse in CSV_FIELDS.items():
             if name not in col:
                 continue
             try:
                 values[name] = parse(fields[col[name]])
             except ValueError as e:
-                why = "not a number" if "invalid literal" in str(e) else str(e)
                 raise TraceFormatError(path, f"line {lineno}",
-                                       f"bad {name} {fields[col[name]]!r}: {why}") from None
+                                       f"bad {name} {fields[col[name]][:60]!r}: {e}") from None
         pool = fields[col["Pool"]] if "Pool" in col else GENERAL
         if not pool:
             raise TraceFormatError(path, f"line {lineno}", "empty Pool")
@@ -429,10 +429,13 @@ def _fields(path: str, where: str, item, required: dict, optional: dict) -> None
             raise TraceFormatError(path, f"{where}.{key}", f"expected {expected}, found {item.get(key)!r}")
 
 
-COUNT = (is_count, "an integer from 0 to 2**64 - 1")
+COUNT = (is_count, f"an integer from 0 to {bound_name(U64_MAX)}")
+DEVICE = (lambda v: is_int_in(v, 0, MAX_DEVICES - 1), f"a device index from 0 to {bound_name(MAX_DEVICES - 1)}")
+BUDGET = (lambda v: v is None or is_int_in(v, 0, MAX_SIZE),  # None: to_snapshot had no report to say
+          f"a byte count from 0 to {bound_name(MAX_SIZE)}, or none")
 TEXT = (lambda v: isinstance(v, str), "a string")
-NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1e30,
-          "a non-negative number")
+MICROSECONDS = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 2**64 / 1000,
+                "a non-negative number of microseconds whose nanoseconds fit in 64 bits")
 
 
 def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
@@ -441,7 +444,7 @@ def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
     for i, seg in enumerate(snapshot["segments"]):
         where = f"segments[{i}]"
         _fields(path, where, seg, {"address": COUNT},
-                {"total_size": COUNT, "device": COUNT, "stream": COUNT, "ia_pool": TEXT, "segment_type": TEXT,
+                {"total_size": COUNT, "device": DEVICE, "stream": COUNT, "ia_pool": TEXT, "segment_type": TEXT,
                  "blocks": (lambda v: isinstance(v, list), "a list")})
         for k, block in enumerate(seg.get("blocks", [])):
             _fields(path, f"{where}.blocks[{k}]", block, {"size": COUNT},
@@ -449,21 +452,26 @@ def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
     for d, entries in enumerate(snapshot["device_traces"]):
         if not isinstance(entries, list):
             raise TraceFormatError(path, f"device_traces[{d}]", "not a list of trace entries")
+        try:
+            if entries:
+                bounded(d, 0, MAX_DEVICES - 1)
+        except ValueError as e:
+            raise TraceFormatError(path, f"device_traces[{d}]", f"events of device {d}: {e}") from None
         for k, t in enumerate(entries):
             _fields(path, f"device_traces[{d}][{k}]", t, {"action": TEXT},
-                    {"addr": COUNT, "size": COUNT, "time_us": NUMBER, "ia_time_ns": COUNT, "ia_seq": COUNT,
+                    {"addr": COUNT, "size": COUNT, "time_us": MICROSECONDS, "ia_time_ns": COUNT, "ia_seq": COUNT,
                      "ia_thread": COUNT, "ia_stream": COUNT, "stream": COUNT, "ia_pool": TEXT})
     meta = snapshot.get("indexer_arena")
     if meta is None:
         return
-    _fields(path, "indexer_arena", meta, {}, {"budget": COUNT, "dropped": COUNT,
+    _fields(path, "indexer_arena", meta, {}, {"budget": BUDGET, "dropped": COUNT,
             "devices": (lambda v: isinstance(v, list), "a list"), "stats": (lambda v: isinstance(v, list), "a list")})
     for i, dev in enumerate(meta.get("devices", [])):
-        _fields(path, f"indexer_arena.devices[{i}]", dev, {"device": COUNT},
+        _fields(path, f"indexer_arena.devices[{i}]", dev, {"device": DEVICE},
                 {"unified": (lambda v: isinstance(v, bool), "true or false")})
     for i, st in enumerate(meta.get("stats", [])):
         _fields(path, f"indexer_arena.stats[{i}]", st,
-                {"device": COUNT, "pool": TEXT, "stats": (lambda v: isinstance(v, dict), "an object")}, {})
+                {"device": DEVICE, "pool": TEXT, "stats": (lambda v: isinstance(v, dict), "an object")}, {})
 
 
 _SNAPSHOT_ACTIONS = {"alloc": "alloc", "free_completed": "free", "free": "free", "oom": "fail",

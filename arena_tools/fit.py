@@ -40,6 +40,7 @@ import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 
+from alloc.config import flag_value
 from alloc.errors import ConfigError
 from alloc.units import MiB
 
@@ -54,6 +55,11 @@ ALLOCATORS = tuple(TABLE[n].name for n in ("default", "arena"))
 SEED = dict(max_model_len=262_144, chunk_tokens=3_200, compress_ratio=4, budget_mb=512,
             prompt_tokens=254_000)
 """The measured seed workload; max_model_len is any length that admits the prompt."""
+MAX_CHUNKS = 20_000
+"""The most chunks a check models: a 10-million-token prompt in 512-token chunks. The report is a
+row per chunk, so a plan of more (1 token per chunk of a long prompt: millions) would run for hours
+and print a table nobody reads; it is refused at once, naming the chunk size that fits. At the
+bound the model takes seconds and the table a minute."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -294,6 +300,11 @@ def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: i
                           f"a positive number of tokens no larger than max_model_len "
                           f"({max_model_len:,})", reason="longer than max_model_len")
     _check_int("topk", topk, 0, "a non-negative number of keys per query (0: no per-piece output)")
+    if cdiv(prompt_tokens, chunk_tokens) > MAX_CHUNKS:
+        raise ConfigError("chunk_tokens", chunk_tokens,
+                          f"at least {cdiv(prompt_tokens, MAX_CHUNKS):,} tokens for a {prompt_tokens:,}-token prompt",
+                          reason=f"{cdiv(prompt_tokens, chunk_tokens):,} chunks, more than the {MAX_CHUNKS:,} "
+                                 "a fit check models")
     if allocator not in ALLOCATORS:
         raise ConfigError("allocator", allocator, " or ".join(map(repr, ALLOCATORS)))
     row = logits_width(max_model_len, compress_ratio) * 4
@@ -418,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "holds, and where the default would cross the available memory. Exit status: "
                     "0 fits, 1 does not fit, 2 bad arguments.")
     p.add_argument("--max-model-len", type=int, default=SEED["max_model_len"], metavar="TOKENS")
-    p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS")
+    p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS",
+                   help=f"tokens per chunk; the prompt may take at most {MAX_CHUNKS:,} chunks")
     p.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
     p.add_argument("--budget-mb", type=int, default=None, metavar="MIB",
                    help="workspace budget (default: budget_mb of INDEXER_ARENA_CONF, as the "
@@ -442,13 +454,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 0 for --help and 2 for its own errors
         return 0 if e.code in (0, None) else 2
-    if args.budget_mb is None:
-        from alloc.config import from_env
-        try:
-            args.budget_mb = from_env().budget_mb
-        except ConfigError as e:
-            print(f"{parser.prog}: error: {e}", file=sys.stderr)
-            return 2
+    from alloc.config import from_env
+    try:  # as the allocator would take it: the flag, else the configuration
+        args.budget_mb = flag_value("budget_mb", "--budget-mb", args.budget_mb) or from_env().budget_mb
+    except ValueError as e:  # ConfigError too
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     if args.plot and unwritable(args.plot, "--plot"):
         print(f"{parser.prog}: error: {unwritable(args.plot, '--plot')}", file=sys.stderr)
         return 2

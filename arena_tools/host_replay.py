@@ -26,7 +26,7 @@ def replay_host(trace: TraceFile, *, budget: int | None = None, alignment: int =
                 sample_every: int = 64, plan: Plan | None = None) -> dict:
     """Replays the trace on host-backed arenas (see the module's docstring). ``progress`` is a
     callable(done, total), True for a progress bar, or False/None."""
-    from alloc.errors import ArenaOutOfMemory
+    from alloc.errors import ArenaError, ArenaOutOfMemory
     plan = plan or compile_trace(trace, workspace_all=workspace_all)
     budget, why = workspace_budget(trace, budget)
     arenas: dict[tuple[int, int], object] = {}
@@ -34,7 +34,11 @@ def replay_host(trace: TraceFile, *, budget: int | None = None, alignment: int =
     def arena(device: int, pool: int):
         a = arenas.get((device, pool))
         if a is None:
-            a = arenas[(device, pool)] = host_arena(pool, budget, alignment, device)
+            try:
+                a = arenas[(device, pool)] = host_arena(pool, budget, alignment, device)
+            except ArenaOutOfMemory as e:  # the replay cannot run at all: not a failure it measures
+                raise ArenaError(f"{e}; the host replay holds the workspace budget ({why}) in this "
+                                 "machine's memory: pass a smaller --budget-mb") from None
         return a
 
     def allocate(size, device, pool, stream):

@@ -8,10 +8,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from alloc.errors import ConfigError
 from alloc.plugin import POOLS, SMALL_REQUEST
-from alloc.units import MiB
+from alloc.units import MAX_SIZE, MiB, bound_name, bounded
 
-from .export import TraceFile
+from .export import TraceFile, TraceFormatError
 
 ALLOC, FREE, FAIL = 0, 1, 2
 WORKSPACE, SMALL, LARGE = (POOLS.index(p) for p in ("workspace", "small", "large"))
@@ -92,11 +93,20 @@ def workspace_budget(trace: TraceFile, budget: int | None = None) -> tuple[int, 
     """(bytes, where it came from): ``budget`` when given, else the trace's, else the
     configuration's."""
     if budget:
-        return budget, "given"
-    if trace.budget:
-        return trace.budget, "recorded in the trace"
-    from alloc.config import ENV_VAR, from_env
-    return from_env().budget_bytes, f"the configuration's: {ENV_VAR} or its default"
+        why = "given"
+    elif trace.budget:
+        budget, why = trace.budget, "recorded in the trace"
+    else:
+        from alloc.config import ENV_VAR, from_env
+        return from_env().budget_bytes, f"the configuration's: {ENV_VAR} or its default"
+    try:  # a trace records its budget as a region's size, which may be any 64-bit count
+        bounded(budget, 1, MAX_SIZE)
+    except ValueError as e:
+        if why == "given":
+            raise ConfigError("budget", budget, f"1 to {bound_name(MAX_SIZE)} bytes", reason=str(e)) from None
+        raise TraceFormatError(trace.path, None, f"the workspace budget it records, {budget} bytes, is "
+                               f"{e}; pass --budget-mb") from None
+    return budget, why
 
 
 # -- the loop, shared by every allocator -------------------------------------------------------------------

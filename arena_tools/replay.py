@@ -42,6 +42,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from alloc.config import flag_value
 from alloc.units import MiB, fmt_bytes, output_width
 
 from .allocators import parse_names
@@ -116,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, from {', '.join(ALLOCATORS)} (default: all where CUDA is, "
                         "else host)")
     p.add_argument("--device", type=int, default=0, help="CUDA device of a single-device trace")
-    p.add_argument("--budget-mb", type=int,
+    p.add_argument("--budget-mb", type=int, metavar="MIB",
                    help="workspace budget (default: the trace's when it records one, else the configuration's)")
     p.add_argument("--workspace-all", action="store_true",
                    help="serve every allocation from the workspace arena (e.g. an RMM log of workspaces)")
@@ -141,16 +142,49 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _replay_all(names: list[str], trace: TraceFile, plan: Plan, budget: int, args) -> list[dict]:
+    """One result per allocator, in order, under a progress bar unless switched off."""
+    results = []
+    progress = None
+    if not args.no_progress and args.json != "-":
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        progress = Progress(TextColumn("{task.description:>24}"), BarColumn(), MofNCompleteColumn(),
+                            TimeRemainingColumn(), transient=False)
+        progress.start()
+    try:
+        for name in names:
+            task = progress.add_task(f"{name}", total=len(plan.ops)) if progress else None
+
+            def tick(done, total, task=task):
+                if progress is not None:
+                    progress.update(task, completed=done, total=total)
+
+            if name == "host":
+                results.append(replay_host(trace, budget=budget, workspace_all=args.workspace_all,
+                                           progress=tick, sample_every=args.sample_every, plan=plan))
+            else:
+                results.append(run_worker(name, os.path.abspath(args.trace), args, tick, budget >> 20))
+    finally:
+        if progress is not None:
+            progress.stop()
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # before a worker reads it too
+        args.budget_mb = flag_value("budget_mb", "--budget-mb", args.budget_mb)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.worker:
         return gpu_worker(args)
-    for flag in ("sample_every", "sample_bytes", "budget_mb"):
+    for flag in ("sample_every", "sample_bytes"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    from alloc.errors import ConfigError
+    from alloc.errors import ArenaError, ConfigError
 
     from .paths import unwritable
     why_not = unwritable(args.json, "--json") if args.json else None
@@ -175,30 +209,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: the workspace budget {budget} bytes is not a whole number of MiB, which the "
               "installed allocator needs; pass --budget-mb", file=sys.stderr)
         return 2
-    results = []
-    show = not args.no_progress and args.json != "-"
-    progress = None
-    if show:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-        progress = Progress(TextColumn("{task.description:>24}"), BarColumn(), MofNCompleteColumn(),
-                            TimeRemainingColumn(), transient=False)
-        progress.start()
     try:
-        for name in names:
-            task = progress.add_task(f"{name}", total=len(plan.ops)) if progress else None
-
-            def tick(done, total, task=task):
-                if progress is not None:
-                    progress.update(task, completed=done, total=total)
-
-            if name == "host":
-                results.append(replay_host(trace, budget=budget, workspace_all=args.workspace_all,
-                                           progress=tick, sample_every=args.sample_every, plan=plan))
-            else:
-                results.append(run_worker(name, os.path.abspath(args.trace), args, tick, budget >> 20))
-    finally:
-        if progress is not None:
-            progress.stop()
+        results = _replay_all(names, trace, plan, budget, args)
+    except ArenaError as e:  # the host could not make an arena the replay needs (replay_host says why)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     text = render_table(results, plan, trace, budget, why, width=output_width(sys.stdout.isatty(), 150))
     if args.json:
         data = json.dumps({"trace": {"path": trace.path, "kind": trace.kind, "budget": budget,

@@ -32,9 +32,10 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 
+from alloc.config import flag_value
 from alloc.errors import ArenaError
 from alloc.records import Event
-from alloc.units import fmt_bytes, is_count, output_width
+from alloc.units import MAX_DEVICES, MAX_SIZE, bound_name, fmt_bytes, is_count, is_int_in, output_width
 
 from .arena_report import FORMAT_1, FORMAT_1_NAMES, REPORT_FORMAT, live_report, pool_order
 
@@ -107,14 +108,15 @@ def check_report(report: object, path: str = "<report>") -> dict:
         raise bad(f"not an indexer-arena memory report (format {report.get('format')!r}, expected "
                   f"{REPORT_FORMAT!r} or the older {FORMAT_1!r})")
     renames = FORMAT_1_NAMES if report["format"] == FORMAT_1 else {}
-    if not is_count(report.setdefault("budget", 0)):
-        raise bad(f"'budget': expected a byte count (an integer from 0 to 2**64 - 1), found {report['budget']!r}")
+    if not is_int_in(report.setdefault("budget", 0), 0, MAX_SIZE):
+        raise bad(f"'budget': expected a byte count from 0 to {bound_name(MAX_SIZE)}, found {report['budget']!r}")
     if not isinstance(report.get("devices"), list):
         raise bad("'devices' missing or not a list")
     for i, dev in enumerate(report["devices"]):
-        if not isinstance(dev, dict) or not is_count(dev.get("device")) or not isinstance(dev.get("pools"), list) \
-                or not isinstance(dev.setdefault("unified", False), bool):
-            raise bad(f"devices[{i}]: expected {{'device': int, 'unified': bool, 'pools': [...]}}")
+        if not isinstance(dev, dict) or not is_int_in(dev.get("device"), 0, MAX_DEVICES - 1) \
+                or not isinstance(dev.get("pools"), list) or not isinstance(dev.setdefault("unified", False), bool):
+            raise bad(f"devices[{i}]: expected {{'device': 0 to {bound_name(MAX_DEVICES - 1)}, 'unified': bool, "
+                      f"'pools': [...]}}, found {dev!r:.200}")
         for j, pool in enumerate(dev["pools"]):
             where = f"devices[{i}].pools[{j}]"
             if not isinstance(pool, dict) or not isinstance(pool.get("pool"), str) \
@@ -428,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="OUT", help="write a block map (and memory over time) as PNG")
     p.add_argument("--text", metavar="OUT", help="write the tables to this file instead of printing them")
     p.add_argument("--top", type=int, default=10, help="live blocks listed per arena (default 10)")
-    p.add_argument("--budget-mb", type=int, help="CSV traces: workspace budget of the host replay")
+    p.add_argument("--budget-mb", type=int, metavar="MIB", help="CSV traces: workspace budget of the host replay")
     p.add_argument("--allow-unknown-frees", action="store_true",
                    help="skip frees of pointers the trace never allocated (a trace that starts mid-run)")
     return p
@@ -440,14 +442,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .export import TraceFormatError
     from .paths import unwritable
-    problems = [why for flag in ("json", "png", "text") if getattr(args, flag)
-                for why in [unwritable(getattr(args, flag), f"--{flag}")] if why]
+    problems = [why for name in ("json", "png", "text") if getattr(args, name)
+                for why in [unwritable(getattr(args, name), f"--{name}")] if why]
     if args.png == "-" or args.text == "-":
         problems.append("--png and --text take a file name ('-' is for --json)")
-    if args.budget_mb is not None and args.budget_mb <= 0:
-        problems.append(f"--budget-mb must be a positive number of MiB, got {args.budget_mb}")
     if args.top < 0:
         problems.append(f"--top must not be negative, got {args.top}")
+    try:
+        args.budget_mb = flag_value("budget_mb", "--budget-mb", args.budget_mb)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2

@@ -60,6 +60,25 @@ static bool read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
   return false;
 }
 
+/* The kB of a MemAvailable line, "MemAvailable:" then blanks, digits, blanks and "kB", read with
+ * its bound checked: kB whose bytes a uint64_t holds, 2**54 - 1 at most. (sscanf's %llu took
+ * "-5" as 2**64 - 5, which the shift to bytes wrapped as it did 2**54 + 4, read as 4 KiB.) */
+#define MAX_KIB (UINT64_MAX >> 10)
+static bool parse_kib(const char *text, uint64_t *out) {
+  const char *p = text + strspn(text, " \t");
+  if (*p < '0' || *p > '9') return false;
+  uint64_t kib = 0;
+  for (; *p >= '0' && *p <= '9'; p++) {
+    unsigned digit = (unsigned)(*p - '0');
+    if (kib > (MAX_KIB - digit) / 10) return false;
+    kib = kib * 10 + digit;
+  }
+  p += strspn(p, " \t");
+  if (strncmp(p, "kB", 2) != 0 || p[2 + strspn(p + 2, " \t\r\n")] != '\0') return false;
+  *out = kib;
+  return true;
+}
+
 ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_root, ia_host_memory_t *out) {
   *out = (ia_host_memory_t){0};
   if (!meminfo_path) meminfo_path = "/proc/meminfo";
@@ -69,17 +88,25 @@ ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_roo
     return IA_ERR_BACKEND;
   }
   char line[256];
-  bool found = false;
+  bool found = false, parsed = false;
+  uint64_t kib = 0;
   while (!found && fgets(line, sizeof line, f)) {
-    unsigned long long kib;
-    found = sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
-    if (found) out->mem_available = (uint64_t)kib << 10;
+    found = strncmp(line, "MemAvailable:", 13) == 0;
+    parsed = found && parse_kib(line + 13, &kib);
   }
   fclose(f);
   if (!found) {
     snprintf(last_message, sizeof last_message, "%s has no MemAvailable line", meminfo_path);
     return IA_ERR_BACKEND;
   }
+  if (!parsed) {
+    line[strcspn(line, "\r\n")] = '\0';
+    snprintf(last_message, sizeof last_message,
+             "%s: bad line '%.100s': MemAvailable must be a number of kB from 0 to %" PRIu64
+             " (2**54 - 1, so that its bytes fit in 64 bits)", meminfo_path, line, (uint64_t)MAX_KIB);
+    return IA_ERR_BACKEND;
+  }
+  out->mem_available = kib << 10;
   out->available = out->mem_available;
   if (!cgroup_root) cgroup_root = "/sys/fs/cgroup";
   if (cgroup_root[0] && read_cgroup(cgroup_root, &out->cgroup_limit, &out->cgroup_usage) &&
@@ -109,11 +136,11 @@ static ia_status_t check_room(guard_backend_t *g, size_t size, const char *verb)
     mem.available = mem.mem_available = g->opts.available_fn(g->opts.available_ctx);
   } else if (ia_host_memory_read(g->meminfo_path, g->cgroup_root, &mem) != IA_OK) {
     /* Unknown host memory on a unified device: refusing is the only answer that cannot hang. */
-    char why[256];
-    snprintf(why, sizeof why, "%.200s", last_message);
+    char why[640]; /* last_message is rewritten below: a path and a quoted line fit whole */
+    snprintf(why, sizeof why, "%.639s", last_message);
     snprintf(last_message, sizeof last_message,
              "unified memory: %s, so the host memory left is unknown and %s %s was refused; point "
-             "meminfo in INDEXER_ARENA_CONF at a readable file",
+             "meminfo in INDEXER_ARENA_CONF at a readable file in /proc/meminfo format",
              why, verb, _ia_format_bytes(size, need, sizeof need));
     return IA_ERR_HOST_MEMORY_GUARD;
   }

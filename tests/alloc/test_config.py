@@ -140,3 +140,39 @@ def test_readme_configuration_table_is_the_key_table():
     start = readme.index("| key | default | meaning |")
     end = readme.find("\n\n", start)
     assert readme[start:end if end >= 0 else None].rstrip("\n") == markdown_keys()
+
+
+# -- path keys: what the C core opens must be the whole path -------------------------------------
+import os  # noqa: E402
+
+PATH_KEYS = sorted(name for name, key in KEYS.items() if "path" in key.accepted)
+ODD = st.sampled_from(["\0", "\udcff", "\ud800", "é", " ", ":", "/"])  # \udcff: a byte os.fsdecode could not decode
+
+
+@given(key=st.sampled_from(PATH_KEYS), text=st.lists(st.one_of(ODD, st.characters(exclude_characters=",")),
+                                                     max_size=12).map("".join))
+def test_a_path_key_takes_exactly_the_paths_c_can_open_whole(key, text):
+    assert PATH_KEYS == ["meminfo", "oom_report"]
+    value = text.strip()
+    try:
+        raw = os.fsencode(value)
+    except UnicodeEncodeError:
+        raw = None
+    good = bool(value) and raw is not None and b"\0" not in raw
+    for make in (lambda: parse(f"{key}:{text}")[key], lambda: getattr(Config(**{key: value}), key)):
+        try:
+            got = make()
+        except ConfigError as e:
+            assert not good and e.key == key and "accepted:" in str(e), str(e)
+            if "\0" in value:
+                assert f"NUL byte at position {value.index(chr(0))}" in str(e)
+        else:
+            assert good and got == value
+
+
+def test_a_nul_byte_in_a_path_key_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        from_env({ENV_VAR: "meminfo:/proc/meminfo\0/x"})
+    assert str(e.value) == ("invalid value '/proc/meminfo\\x00/x' for 'meminfo' (from INDEXER_ARENA_CONF): "
+                            "a NUL byte at position 13 would end the path there in C; accepted: a path to a "
+                            "file in /proc/meminfo format")

@@ -149,3 +149,88 @@ def test_seed_workload_default_model_fails_where_predicted_and_the_arena_complet
     assert sum(reserved) < GiB
     workspace.close()
     general.close()
+
+
+def test_a_path_c_would_cut_at_a_nul_byte_is_refused(tmp_path):
+    path = meminfo(tmp_path, 3 * 1024)
+    for make in (lambda p: read(p, cgroup_root=""), lambda p: HostGuard(meminfo=p),
+                 lambda p: HostGuard(meminfo=path, cgroup_root=p)):
+        with pytest.raises(ValueError, match=r"NUL byte at position \d+ would end the path there"):
+            make(path + "\0/elsewhere")  # C would open `path` itself
+
+
+def test_a_path_of_bytes_no_encoding_decodes_is_opened_whole(tmp_path):
+    import os
+    raw = os.path.join(os.fsencode(tmp_path), b"mem\xffinfo")  # not UTF-8: os.fsdecode escapes the byte
+    with open(raw, "w") as f:
+        f.write("MemAvailable:   2048 kB\n")
+    assert read(os.fsdecode(raw), cgroup_root="").available == 2 * MiB
+    with Arena(MiB, guard=HostGuard(meminfo=os.fsdecode(raw), cgroup_root="")) as a:
+        assert a.allocate(4096)
+
+
+# -- MemAvailable as written, across the integer line and beyond ---------------------------------
+import re  # noqa: E402
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+MAX_KIB = (1 << 54) - 1  # kB whose bytes fit in 64 bits
+KIB = st.one_of(st.integers(-(1 << 70), 1 << 70),
+                st.sampled_from([0, 1, MAX_KIB, MAX_KIB + 1, (1 << 54) + 4, -5, 2**64, 2**64 + 1]))
+
+
+def bad_line(message: str, line: str) -> bool:
+    return f"bad line '{line}'" in message and f"from 0 to {MAX_KIB} (2**54 - 1" in message
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kib=KIB)
+def test_mem_available_is_read_exactly_or_refused_naming_the_line(tmp_path, kib):
+    try:
+        m = read(meminfo(tmp_path, kib), cgroup_root="")
+    except BackendError as e:
+        assert not 0 <= kib <= MAX_KIB and bad_line(str(e), f"MemAvailable:   {kib} kB"), str(e)
+    else:
+        assert 0 <= kib <= MAX_KIB and m.mem_available == m.available == kib << 10
+
+
+LINE = re.compile(r"[ \t]*([0-9]+)[ \t]*kB[ \t\r]*")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rest=st.text(st.sampled_from(" \t\r-+0123456789xkBMG.,"), max_size=24) | st.text(max_size=8))
+def test_only_a_number_of_kb_is_a_mem_available_line(tmp_path, rest):
+    rest = rest.replace("\n", "")
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal: 5 kB\nMemAvailable:{rest}\nBuffers: 1 kB\n")
+    match = LINE.fullmatch(rest)
+    try:
+        m = read(str(path), cgroup_root="")
+    except BackendError as e:
+        assert not (match and int(match[1]) <= MAX_KIB), str(e)
+        assert "bad line 'MemAvailable:" in str(e)
+    else:
+        assert match and m.mem_available == int(match[1]) << 10
+
+
+@pytest.mark.parametrize("kib", [(1 << 54) + 4, -5])
+def test_the_guard_refuses_on_a_mem_available_it_cannot_read_and_the_arena_stays_whole(tmp_path, kib):
+    good = meminfo(tmp_path, 64 * 1024)  # 64 MiB
+    guard = HostGuard(meminfo=good, cgroup_root="")
+    with Arena(0, growable=True, region_min=MiB, region_round=MiB, guard=guard) as a:
+        p = a.allocate(MiB)
+        meminfo(tmp_path, kib)  # the same file, now unreadable as a count
+        with pytest.raises(ArenaOutOfMemory) as e:
+            a.allocate(MiB)  # needs a second region: the guard reads the file
+        assert bad_line(str(e.value), f"MemAvailable:   {kib} kB"), str(e.value)
+        assert "host memory left is unknown and reserving 1.00 MiB was refused" in str(e.value)
+        a.check()
+        assert a.stats()["regions"] == 1 and a.owns(p)
+        meminfo(tmp_path, 64 * 1024)
+        q = a.allocate(MiB)  # readable again: the arena grows as before
+        a.free(p)
+        a.free(q)
+        a.check()
+    with pytest.raises(ArenaOutOfMemory, match="bad line"):
+        meminfo(tmp_path, kib)
+        Arena(MiB, guard=guard)

@@ -443,6 +443,7 @@ def test_table_names_the_crossing(capsys):
     (["--prompt-tokens", "300000"], r"invalid value 300000 for 'prompt_tokens'.*max_model_len"),
     (["--available-mb", "-1"], r"--available-mb must be a positive number of MiB, got -1"),
     (["--budget-mb", "lots"], r"--budget-mb: invalid int value: 'lots'"),
+    (["--budget-mb", "99999999999999"], r"--budget-mb 99999999999999: must be at most 4398046511104"),
     (["--allocator", "cuda"], r"invalid choice: 'cuda'"),
     (["--frobnicate"], r"unrecognized arguments: --frobnicate"),
 ])
@@ -451,6 +452,22 @@ def test_bad_arguments_exit_2(argv, pattern, capsys):
         argv = argv + ["--available-mb", "8192"]  # so that nothing depends on this machine
     assert main(argv) == 2
     assert re.search(pattern, capsys.readouterr().err)
+
+
+def test_a_plan_of_more_chunks_than_the_bound_is_refused_at_once(capsys):
+    from arena_tools.fit import MAX_CHUNKS
+    tokens = MAX_CHUNKS + 1  # one token per chunk: one chunk past the bound
+    with pytest.raises(ValueError, match=rf"invalid value 1 for 'chunk_tokens': {MAX_CHUNKS + 1:,} chunks, more "
+                                         rf"than the {MAX_CHUNKS:,} a fit check models; accepted: at least 2 tokens"):
+        fit(**{**GOOD, "max_model_len": tokens, "prompt_tokens": tokens, "chunk_tokens": 1})
+    assert len(fit(**{**GOOD, "max_model_len": tokens, "prompt_tokens": tokens - 1, "chunk_tokens": 1}).rows) \
+        == MAX_CHUNKS
+    capsys.readouterr()
+    for prompt in (tokens, 10**8):  # the 10**8 tokens would have run for days
+        assert main(["--max-model-len", str(prompt), "--prompt-tokens", str(prompt), "--chunk-tokens", "1",
+                     "--available-mb", "8192", "--json"]) == 2
+        out, err = capsys.readouterr()
+        assert not out and len(err.splitlines()) == 1 and f"{prompt:,} chunks, more than the {MAX_CHUNKS:,}" in err
 
 
 def test_help_exits_0(capsys):

@@ -91,6 +91,32 @@ def test_out_of_memory_is_the_documented_error():
         a.allocate(MAX_SIZE + 1)
 
 
+def test_an_address_range_that_cannot_be_reserved_is_named_not_the_capacity():
+    with pytest.raises(ArenaOutOfMemory) as e:
+        Arena(0, growable=True, address_range=2**62)
+    assert "could not reserve an address range of 4194304.00 TiB (address_range=4611686018427387904) " \
+           "from the host backend" in str(e.value) and "0 B" not in str(e.value)
+    assert e.value.requested == 2**62
+
+
+@settings(max_examples=60, deadline=None)
+@given(address_range=st.one_of(st.integers(1, MAX_SIZE), st.sampled_from([2 << 20, 2**47, 2**48, 2**61, MAX_SIZE])),
+       capacity=st.sampled_from([0, 2 << 20, 96 << 20]))
+def test_a_mapping_arena_is_made_whole_or_its_refusal_names_the_range(address_range, capacity):
+    try:
+        a = Arena(capacity, growable=True, address_range=address_range, host_limit=64 << 20)
+    except ValueError as e:
+        assert capacity > address_range and f"capacity {capacity} is more than address_range {address_range}" in str(e)
+        return
+    except ArenaOutOfMemory as e:
+        assert f"address range of {alloc.units.fmt_bytes(address_range)} (address_range={address_range})" in str(e)
+        assert (f"with its first {alloc.units.fmt_bytes(capacity)} mapped" in str(e)) == bool(capacity)
+        return
+    with a:
+        assert a.capacity >= capacity
+        a.check()
+
+
 def test_closing_while_other_threads_use_the_arena_never_touches_freed_memory():
     # Threads allocate, free, read statistics and walk blocks while the arena is closed under
     # them: every call either completes or raises "closed"; none may crash the interpreter.
