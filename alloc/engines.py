@@ -1,85 +1,91 @@
 """The allocator inside serving engines, turned on from their plugin hooks.
 
-vLLM loads every ``vllm.general_plugins`` entry point in each process it starts, before a worker
-picks its device or loads the model (``vllm/plugins/__init__.py``, ``load_general_plugins``);
-SGLang loads ``sglang.srt.plugins`` the same way in each scheduler process
-(``sglang/srt/plugins/__init__.py``, ``load_plugins``). This package registers one entry point in
-each group, named ``indexer_arena``. Both read:
+vLLM loads every ``vllm.general_plugins`` entry point in each process it starts (the API server,
+the engine core, the model-inspection subprocess, every worker: ``load_general_plugins``) and does
+not catch a plugin's exception; SGLang loads ``sglang.srt.plugins`` in its main, detokenizer and
+scheduler processes (``load_plugins``) and logs and swallows any ``Exception``. This package
+registers one entry point in each group, named ``indexer_arena``. Both read:
 
     INDEXER_ARENA_SCOPE   process or workspace: install the allocator in that scope
                           (unset or empty: the plugin does nothing)
     INDEXER_ARENA_CONF, VLLM_SPARSE_INDEXER_MAX_LOGITS_MB: the configuration, as everywhere
 
-and then route the engine's indexer logits into ``alloc.workspace()`` by wrapping the functions
-that return them where the indexer looks them up, now if their module is loaded and otherwise as
-soon as it is. For vLLM the device's workspace is also reserved at the start of the memory
-profile run, so that the KV cache is sized with the budget already taken.
-
-The names routed were read from vLLM 0.13.0 and 0.33.0 and SGLang 0.5.23.
+In every process the plugin checks the settings (a bad one ends the process with one line, which
+neither engine can swallow: SystemExit) and registers its routes, which wrap engine functions in
+place now or as soon as their module is imported. Only a process that runs the model acts: the
+route on the worker's start (vLLM ``Worker.init_device``, SGLang ``Scheduler.__init__``) installs
+the allocator there, imports the routes' modules and logs once, at INFO, the engine's version and
+the routes applied. What the routes do is in ``alloc.engine_routes``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
+import importlib.metadata
+import logging
 import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import config as config_mod
-from . import plugin
-from .errors import ConfigError
+from .errors import ArenaError, ConfigError
 
 SCOPE_VAR = "INDEXER_ARENA_SCOPE"
 
 
 @dataclass(frozen=True)
 class Route:
-    """``module.attribute`` (or ``module.Class.method``) is replaced by ``wrap`` of it."""
+    """``module.attribute`` (or ``module.Class.method``) is replaced by ``wrap`` of it.
+
+    ``versions``: the engine versions whose code has this target (empty: all). ``eager``: the
+    worker imports ``module`` at its start, so the route is applied (and logged) then; a kernel
+    library the engine imports lazily (deep_gemm) is routed when the engine imports it."""
     module: str
     attribute: str
     wrap: Callable[[Callable], Callable]
+    versions: tuple[str, ...] = ()
+    eager: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.module}.{self.attribute}"
 
 
-def allocating_in_workspace(fn: Callable) -> Callable:
-    """``fn`` with every allocation of its call made inside ``alloc.workspace()``."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with plugin.workspace():
-            return fn(*args, **kwargs)
-    return call
+@dataclass(frozen=True)
+class Engine:
+    label: str                  # for messages: "vLLM"
+    distribution: str           # whose version is read: "vllm"
+    supported: tuple[str, ...]  # the versions the routes were read from, oldest first
+    routes: tuple[Route, ...]
+    logger: str                 # a logger under the engine's own, so its handlers print ours
+
+    def version(self) -> str | None:
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    def routes_for(self, version: str | None) -> tuple[Route, ...]:
+        """The routes for ``version``; a version the routes were not read from gets the newest's."""
+        chosen = version if version in self.supported else self.supported[-1]
+        return tuple(r for r in self.routes if not r.versions or chosen in r.versions)
 
 
-def reserving_first(fn: Callable) -> Callable:
-    """``fn`` after reserving the current device's workspace (``alloc.reserve``)."""
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        import torch
-        plugin.reserve(torch.cuda.current_device())
-        return fn(*args, **kwargs)
-    return call
+@dataclass
+class _Active:
+    engine: Engine
+    version: str | None
+    scope: str
+    config: config_mod.Config
+    routes: tuple[Route, ...]
+    started: bool = False   # this process runs the model: the allocator is installed
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-_VLLM_INDEXER = "vllm.model_executor.layers.sparse_attn_indexer"  # vLLM 0.33
-_VLLM_DEEPSEEK = "vllm.model_executor.models.deepseek_v2"  # vLLM 0.13
-
-VLLM_ROUTES = (
-    # The indexer's prefill and decode logits, and (0.33) the float32 copy of half-precision ones.
-    Route(_VLLM_INDEXER, "fp8_fp4_mqa_logits", allocating_in_workspace),
-    Route(_VLLM_INDEXER, "fp8_fp4_paged_mqa_logits", allocating_in_workspace),
-    Route(_VLLM_INDEXER, "as_fp32_logits", allocating_in_workspace),
-    Route(_VLLM_DEEPSEEK, "fp8_mqa_logits", allocating_in_workspace),
-    Route(_VLLM_DEEPSEEK, "fp8_paged_mqa_logits", allocating_in_workspace),
-    Route("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.profile_run", reserving_first),
-)
-
-SGLANG_ROUTES = (
-    # SGLang resolves DeepGEMM's functions from the module at every call (layers/attention/dsa).
-    Route("deep_gemm", "fp8_mqa_logits", allocating_in_workspace),
-    Route("deep_gemm", "fp8_paged_mqa_logits", allocating_in_workspace),
-)
+_active: _Active | None = None
 
 
 def scope_from_env(environ: Mapping[str, str] | None = None) -> str | None:
@@ -88,46 +94,111 @@ def scope_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     scope = environ.get(SCOPE_VAR, "").strip()
     if not scope:
         return None
-    if scope not in plugin.SCOPES:
-        raise ConfigError(SCOPE_VAR, scope, f"{' or '.join(plugin.SCOPES)} (unset: off)", "the environment",
-                          "unknown scope")
+    if scope not in config_mod.SCOPES:
+        raise ConfigError(SCOPE_VAR, scope, f"{' or '.join(config_mod.SCOPES)} (unset: off)",
+                          "the environment", "unknown scope")
     return scope
 
 
-def activate(routes: tuple[Route, ...], environ: Mapping[str, str] | None = None) -> str | None:
-    """Installs the allocator in the scope the environment names and routes ``routes``; returns
-    the scope, or None (and changes nothing) when INDEXER_ARENA_SCOPE is unset."""
+def load(engine: Engine, environ: Mapping[str, str] | None = None) -> str | None:
+    """What each entry point does: checks the settings and registers ``engine``'s routes for its
+    installed version; returns the scope, or None (changing nothing) when INDEXER_ARENA_SCOPE is
+    unset. A bad setting ends the process with one line (``refuse``)."""
+    global _active
     environ = os.environ if environ is None else environ
-    scope = scope_from_env(environ)
-    if scope is None:
-        return None
-    plugin.install(config_mod.from_env(environ), scope=scope)
-    for route in routes:
+    try:
+        scope = scope_from_env(environ)
+        if scope is None:
+            return None
+        config = config_mod.from_env(environ)
+    except ConfigError as e:
+        refuse(engine.logger, str(e))
+    version = engine.version()
+    _active = _Active(engine, version, scope, config, engine.routes_for(version))
+    for route in _active.routes:
         _after_import.apply(route)
     return scope
 
 
-def vllm_plugin() -> None:
-    """The ``vllm.general_plugins`` entry point."""
-    activate(VLLM_ROUTES)
+def refuse(logger: str, message: str):
+    """Ends the process with one line: logged at ERROR through the engine's logger and raised as
+    SystemExit, which vLLM does not catch and SGLang's ``except Exception`` does not swallow; the
+    interpreter prints its message alone, without a traceback."""
+    line = f"indexer-arena: {message}"
+    logging.getLogger(logger).error(line)
+    raise SystemExit(line)
 
 
-def sglang_plugin() -> None:
-    """The ``sglang.srt.plugins`` entry point."""
-    activate(SGLANG_ROUTES)
+def start_worker() -> None:
+    """In a process that runs the model, once: installs the allocator, imports the routes' modules
+    (so that every route is applied now) and logs the engine's version and the routes."""
+    active = _active
+    if active is None or active.started:
+        return
+    with active.lock:
+        if active.started:
+            return
+        from . import plugin
+        try:
+            plugin.install(active.config, scope=active.scope)
+        except ArenaError as e:
+            refuse(active.engine.logger, f"the allocator was not installed: {e}")
+        active.started = True
+        for module in sorted({r.module for r in active.routes if r.eager}):
+            try:
+                importlib.import_module(module)
+            except Exception:  # noqa: BLE001 -- reported below as routes that found nothing
+                pass
+    _log_routes(active)
 
 
-def _replace(module, route: Route) -> None:
+def _log_routes(active: _Active) -> None:
+    status = route_status()
+    log = logging.getLogger(active.engine.logger)
+    version = active.version or "(version unknown)"
+    applied = [str(r) for r in active.routes if status.get(r) == "applied"]
+    pending = [str(r) for r in active.routes if status.get(r) == "pending"]
+    missing = [str(r) for r in active.routes if status.get(r) == "missing"]
+    log.info("indexer-arena: %s %s, %s scope, budget %d MiB; routes applied: %s%s",
+             active.engine.label, version, active.scope, active.config.budget_mb,
+             ", ".join(applied) or "none",
+             f"; routed when the engine imports them: {', '.join(pending)}" if pending else "")
+    if active.version not in active.engine.supported:
+        log.warning("indexer-arena: %s %s is not a version the routes were read from (%s); those "
+                    "of %s are applied where they find their target", active.engine.label, version,
+                    ", ".join(active.engine.supported), active.engine.supported[-1])
+    if missing:
+        log.warning("indexer-arena: %s %s lacks what these routes wrap, so they do nothing: %s",
+                    active.engine.label, version, ", ".join(missing))
+
+
+def active_settings() -> tuple[str, config_mod.Config] | None:
+    """The scope and configuration the plugin was loaded with in this process, or None."""
+    return (_active.scope, _active.config) if _active else None
+
+
+def route_status() -> dict[Route, str]:
+    """Each route registered in this process: "applied" (its target is wrapped), "pending" (its
+    module is not imported yet) or "missing" (the module, or the attribute in it, is absent)."""
+    return _after_import.status()
+
+
+def _replace(module, route: Route) -> bool:
+    """Wraps the route's target in ``module``; False when the module lacks it."""
     owner_path, _, name = route.attribute.rpartition(".")
     owner = module
     for part in filter(None, owner_path.split(".")):
         owner = getattr(owner, part, None)
     original = getattr(owner, name, None) if owner is not None else None
-    if original is None or getattr(original, "__indexer_arena_route__", None) == route:
-        return  # this engine version has no such attribute, or it is routed already
-    wrapped = route.wrap(original)
-    wrapped.__indexer_arena_route__ = route
-    setattr(owner, name, wrapped)
+    if original is None:
+        return False
+    if getattr(original, "__indexer_arena_route__", None) != route:
+        wrapped = route.wrap(original)
+        wrapped.__indexer_arena_route__ = route
+        if isinstance(owner, type) and isinstance(owner.__dict__.get(name), staticmethod):
+            wrapped = staticmethod(wrapped)
+        setattr(owner, name, wrapped)
+    return True
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -136,16 +207,27 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self):
         self._lock = threading.Lock()
         self._pending: dict[str, list[Route]] = {}
+        self._status: dict[Route, str] = {}
+
+    def status(self) -> dict[Route, str]:
+        with self._lock:
+            return dict(self._status)
 
     def apply(self, route: Route) -> None:
         with self._lock:
             module = sys.modules.get(route.module)
             if module is None:
                 self._pending.setdefault(route.module, []).append(route)
+                self._status[route] = "pending"
                 if self not in sys.meta_path:
                     sys.meta_path.insert(0, self)
                 return
-        _replace(module, route)
+        self._done(module, [route])
+
+    def _done(self, module, routes) -> None:
+        results = {route: "applied" if _replace(module, route) else "missing" for route in routes}
+        with self._lock:
+            self._status.update(results)
 
     def find_spec(self, name, path, target=None):
         with self._lock:
@@ -159,16 +241,43 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 if spec is not None:
                     break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            with self._lock:  # not importable: the routes stay pending, reported as missing if asked
+                self._status.update({r: "missing" for r in routes})
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_route(module):
-            exec_module(module)
-            for route in routes:
-                _replace(module, route)
+            try:
+                exec_module(module)
+            except BaseException:
+                with self._lock:
+                    self._status.update({r: "missing" for r in routes})
+                raise
+            self._done(module, routes)
 
         spec.loader.exec_module = exec_then_route
         return spec
 
 
 _after_import = _AfterImport()
+
+
+def starting_worker_first(fn: Callable) -> Callable:
+    """``fn`` after ``start_worker()``: the route on the call that starts a model process."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        start_worker()
+        return fn(*args, **kwargs)
+    return call
+
+
+def vllm_plugin() -> None:
+    """The ``vllm.general_plugins`` entry point."""
+    from .engine_routes import VLLM
+    load(VLLM)
+
+
+def sglang_plugin() -> None:
+    """The ``sglang.srt.plugins`` entry point."""
+    from .engine_routes import SGLANG
+    load(SGLANG)
