@@ -230,9 +230,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             self._status.update(results)
 
     def find_spec(self, name, path, target=None):
+        # The routes stay pending until the module executes: importlib.util.find_spec asks for a
+        # spec without loading it (vLLM's has_deep_gemm does), and the import asks again.
         with self._lock:
-            routes = self._pending.pop(name, None)
-        if routes is None:
+            routes = list(self._pending.get(name, ()))
+        if not routes:
             return None
         spec = None
         for finder in sys.meta_path:
@@ -241,18 +243,13 @@ class _AfterImport(importlib.abc.MetaPathFinder):
                 if spec is not None:
                     break
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            with self._lock:  # not importable: the routes stay pending, reported as missing if asked
-                self._status.update({r: "missing" for r in routes})
             return spec
         exec_module = spec.loader.exec_module
 
         def exec_then_route(module):
-            try:
-                exec_module(module)
-            except BaseException:
-                with self._lock:
-                    self._status.update({r: "missing" for r in routes})
-                raise
+            exec_module(module)
+            with self._lock:
+                routes = self._pending.pop(name, [])
             self._done(module, routes)
 
         spec.loader.exec_module = exec_then_route

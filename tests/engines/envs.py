@@ -45,7 +45,7 @@ SKIPPED = {
     "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvidia-mathdx", "nvshmem4py-cu13",
     "pynvvideocodec", "quack-kernels", "ray", "sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla",
     "sglang-kernel", "smg-grpc-servicer", "tilelang", "timm", "tokenspeed-mla",
-    "torch-memory-saver", "torchaudio", "torchcodec", "torchvision", "xgrammar", "av",
+    "torch-memory-saver", "torchaudio", "torchcodec", "torchvision", "av",
     "datasets", "modelscope", "py-spy", "tml-renderers", "torch",
 }
 
