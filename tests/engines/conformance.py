@@ -56,6 +56,10 @@ class FakeDevice:
     def free(self, nbytes: int) -> None:
         self.allocated -= nbytes
 
+    def transient(self, nbytes: int) -> None:
+        """Allocated and freed at once from a pool that is not PyTorch's general cache."""
+        self.peak = max(self.peak, self.allocated + nbytes)
+
     def workspace_bytes(self) -> tuple[int, int]:
         """(device bytes, of them what PyTorch's memory_reserved counts) of the workspace arena."""
         from alloc import plugin
@@ -123,8 +127,7 @@ def host_install(device: FakeDevice):
         pool = plugin._installed.pools.get(0)
         if pool is None:
             plugin._reserve_arena(0)
-            device.allocate(plugin.pool_segment_bytes())  # the priming block, freed at once
-            device.free(plugin.pool_segment_bytes())
+            device.transient(plugin.pool_segment_bytes())  # the priming block, freed at once
             pool = plugin._installed.pools[0] = object()
         return pool
 

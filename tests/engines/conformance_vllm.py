@@ -49,7 +49,8 @@ def _worker(device, gpu_worker):
     w.init_snapshot = (snapshot(device=torch.device("cuda:0"))
                        if "device" in snapshot.__dataclass_fields__ else snapshot())
     device.allocate(WEIGHTS)
-    w.cache_config = types.SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
+    w.cache_config = types.SimpleNamespace(kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
+                                           cache_dtype="auto")
     w.requested_memory = math.ceil(w.init_snapshot.total_memory * 0.9)
     w.model_runner = _stub_runner(device)
     model_config = types.SimpleNamespace(multimodal_config=None, enforce_eager=True,
@@ -69,7 +70,22 @@ def _worker(device, gpu_worker):
     w._sleep_mode_backend = backend
     w._sleep_saved_buffers, w._sleep_saved_parameters, w._sleep_saved_draft_buffers = {}, {}, {}
     w.synchronize_device = lambda: None
+    _sleep_backend_standin()
     return w
+
+
+def _sleep_backend_standin() -> None:
+    """vLLM 0.13's sleep backend, CuMemAllocator, is compiled against the driver: on this machine
+    a stand-in that gives nothing back (the weights and cache are not the plugin's)."""
+    import sys
+    try:
+        importlib.import_module("vllm.device_allocator.cumem")
+    except ImportError:
+        allocator = types.SimpleNamespace(sleep=lambda offload_tags=(): None,
+                                          wake_up=lambda tags=None: None)
+        module = types.ModuleType("vllm.device_allocator.cumem")
+        module.CuMemAllocator = types.SimpleNamespace(get_instance=lambda: allocator)
+        sys.modules[module.__name__] = module
 
 
 def _kv_cache_bytes(w, gpu_worker) -> int:
@@ -157,7 +173,9 @@ def run(device, scope: str) -> dict:
     gpu_worker.Worker.wake_up(w)
     out["sleep_freed_mb"], out["wake_took_mb"] = (asleep - before) / MiB, (asleep - free()) / MiB
     out["logits"] = _logits(device, scope)
-    out["routes"] = engines.route_status() and {str(r): s for r, s in engines.route_status().items()}
     pending = [r for r, s in engines.route_status().items() if s == "pending"]
     out["pending_found_in_source"] = {str(r): _source_has(r.module, [r.attribute]) for r in pending}
+    for module in {r.module for r in pending}:  # vLLM's vendored DeepGEMM, behind an external one
+        _attempt(importlib.import_module, module)
+    out["routes"] = {str(r): s for r, s in engines.route_status().items()}
     return out
