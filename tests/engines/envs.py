@@ -40,13 +40,13 @@ ENGINES = (
 # Compiled GPU kernels, their toolchains and media codecs: they need a driver (or pull another
 # torch) and are imported lazily by the modules the suite loads.
 SKIPPED = {
-    "apache-tvm-ffi", "b12x", "cuda-python", "decord2", "deepseek-recipe", "flash-attn-4",
+    "b12x", "cuda-python", "decord2", "deepseek-recipe", "flash-attn-4",
     "flashinfer-python", "humming-kernels", "instanttensor", "fastsafetensors", "kernels",
     "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvidia-mathdx", "nvshmem4py-cu13",
     "pynvvideocodec", "quack-kernels", "ray", "sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla",
     "sglang-kernel", "smg-grpc-servicer", "tilelang", "timm", "tokenspeed-mla",
-    "torch-memory-saver", "torchaudio", "torchcodec", "torchvision", "av",
-    "datasets", "modelscope", "py-spy", "tml-renderers", "torch",
+    "torch-memory-saver", "torchaudio", "torchcodec", "av",
+    "modelscope", "py-spy", "tml-renderers", "torch",
 }
 
 
