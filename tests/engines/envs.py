@@ -29,11 +29,13 @@ class Engine:
     version: str
     torch: str       # the engine's torch pin
     kind: str        # "vllm" or "sglang": which checks run
+    runners: tuple[str, ...] = ()  # vLLM's model runners in this version (v1: gpu_model_runner,
+                                   # v2: gpu/model_runner, the default from 0.33 on)
 
 
 ENGINES = (
-    Engine("vllm-0.33.0", "vllm", "0.33.0", "2.14.0", "vllm"),
-    Engine("vllm-0.13.0", "vllm", "0.13.0", "2.9.0", "vllm"),
+    Engine("vllm-0.33.0", "vllm", "0.33.0", "2.14.0", "vllm", ("v1", "v2")),
+    Engine("vllm-0.13.0", "vllm", "0.13.0", "2.9.0", "vllm", ("v1",)),
     Engine("sglang-0.5.23", "sglang", "0.5.23", "2.14.1", "sglang"),
 )
 
