@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -149,8 +150,23 @@ def plugin_routes() -> dict:
     return {str(route): state for route, state in engines.route_status().items()}
 
 
+class Collected(logging.Handler):
+    """The plugin's records under the engine's logger (what the engine's handlers would print)."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        logger = logging.getLogger(name)
+        logger.addHandler(self)
+        logger.setLevel(logging.INFO)  # SGLang sets its root to INFO when it configures logging
+
+    def emit(self, record) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
 def main() -> None:
     kind, scope = sys.argv[1], sys.argv[2]
+    log = Collected(f"{kind}.indexer_arena")
     os.environ.pop("INDEXER_ARENA_SCOPE", None)
     if scope != "off":
         os.environ["INDEXER_ARENA_SCOPE"] = scope
@@ -164,6 +180,7 @@ def main() -> None:
     device.patch_torch()
     host_install(device)
     result = checks.run(device, scope)
+    result["log"] = log.lines
     print(json.dumps(result))
 
 

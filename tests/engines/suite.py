@@ -64,6 +64,11 @@ def failures(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
         if not (logits["prefill"][1] and logits["decode"][1]) or logits["decode_over_budget"][1] \
                 or logits["outside"][0] != 1:
             bad.append(f"{scope}: logits routing {logits}")
+        info = [line for line in run["log"] if line.startswith("INFO indexer-arena: ")]
+        other = [line for line in run["log"] if not line.startswith("INFO")
+                 and "served outside the arena" not in line]  # the decode over budget's warning
+        if len(info) != 1 or f" {engine.version}, {scope} scope" not in info[0] or other:
+            bad.append(f"{scope}: the plugin's log is not one INFO line naming the version: {run['log']}")
         lost = off["kv_cache_bytes"] - run["kv_cache_bytes"]
         if abs(lost - budget) > TOLERANCE:
             bad.append(f"{scope}: KV cache {lost / MiB:.0f} MiB smaller with the plugin, not one budget")
@@ -93,6 +98,7 @@ def table(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
                 line += (f"; SGLang's logits budget {run['logits']['logits_budget_mb']} MiB "
                          f"(off: {off['logits']['logits_budget_mb']} MiB)")
         rows.append(line)
+        rows += [f"            log: {entry}" for entry in run.get("log", [])]
     return rows
 
 
