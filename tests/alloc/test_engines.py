@@ -1,4 +1,4 @@
-"""The engine plugins on the CPU (alloc/engines.py, alloc/engine_routes.py): found through their
+"""The engine plugins on the CPU (alloc/engines.py, alloc/engine_plugin.py): found through their
 entry points, the settings read from the environment and refused in one line, the routes applied to
 modules loaded before or after the plugin (and reported), the worker's start as the one place that
 installs, and what each route does, over the real C core serving device 0 from host memory
@@ -102,8 +102,8 @@ def test_a_refused_install_at_the_workers_start_is_one_line_too():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: tests/alloc/plugin/test_scoped.py installs for real")
     done = run_python("""
-from alloc import engines, engine_routes
-engines.load(engine_routes.VLLM)
+from alloc import engines
+engines.load(engines.VLLM)
 engines.start_worker()
 print('went on')
 """, env={engines.SCOPE_VAR: "workspace"})
@@ -181,7 +181,7 @@ def test_routes_reach_modules_loaded_before_and_after(fake_engine, how):
 
 
 def test_routes_are_chosen_by_the_engines_version():
-    from alloc.engine_routes import VLLM
+    from alloc.engines import VLLM
     old, new, unknown = (VLLM.routes_for(v) for v in ("0.13.0", "0.33.0", "0.99.0"))
     assert "vllm.v1.worker.gpu.model_runner.GPUModelRunner.profile_run" in map(str, new)
     assert "vllm.v1.worker.gpu.model_runner.GPUModelRunner.profile_run" not in map(str, old)
@@ -195,9 +195,10 @@ HOST = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(name)s %(message)s")
 import alloc
-from alloc import engines, engine_routes, plugin
+from alloc import engines, plugin
+
 from tests.support.host_plugin import install_on_host
-engine_routes._current_device = lambda: 0
+engines._current_device = lambda: 0  # no CUDA here: device 0 is the host-backed one
 """
 
 
@@ -206,8 +207,8 @@ def test_only_the_workers_start_installs_and_it_logs_the_routes_once(fake_engine
 plugin.install = lambda config, scope: install_on_host(config, scope)
 fake = engines.Engine("Fake", "indexer-arena", ("0.1.0",), (
     engines.Route("fake_engine.model", "GPUModelRunner.__init__", engines.starting_worker_first),
-    engines.Route("fake_engine.model", "fp8_fp4_mqa_logits", engine_routes.logits_in_workspace()),
-    engines.Route("fake_engine.model", "renamed_in_this_version", engine_routes.capped_to_budget),
+    engines.Route("fake_engine.model", "fp8_fp4_mqa_logits", engines.logits_in_workspace()),
+    engines.Route("fake_engine.model", "renamed_in_this_version", engines.capped_to_budget),
 ), "fake.indexer_arena")
 engines.load(fake)
 print("installed after load:", alloc.is_installed())
@@ -239,7 +240,7 @@ def test_logits_over_the_budget_are_served_outside_with_one_warning_and_a_count(
     out = _host("""
     def logits(q, kv, weights, lens, tables, schedule, width):
         return alloc.in_workspace()
-    routed = engine_routes.logits_in_workspace(engine_routes.paged_logits_bytes, "engine.x")(logits)
+    routed = engines.logits_in_workspace(engines.paged_logits_bytes, "engine.x")(logits)
     import torch
     rows = torch.zeros(8, 2)
     print("small:", routed(None, None, rows, None, None, None, 1024))
@@ -256,8 +257,8 @@ def test_logits_over_the_budget_are_served_outside_with_one_warning_and_a_count(
 
 def test_without_the_allocator_installed_the_routes_pass_calls_through():
     done = run_python(HOST + """
-routed = engine_routes.logits_in_workspace()(lambda: alloc.in_workspace())
-print(routed(), engine_routes.capped_to_budget(lambda: 1 << 40)())
+routed = engines.logits_in_workspace()(lambda: alloc.in_workspace())
+print(routed(), engines.capped_to_budget(lambda: 1 << 40)())
 """)
     assert done.returncode == 0 and done.stdout.split() == ["False", str(1 << 40)], done.stderr
 
@@ -274,7 +275,7 @@ def test_the_kv_cache_is_sized_with_the_budget_reserved_and_counted_once(counts_
         print("reserved while sizing:", alloc.workspace_reserved(0))
         return 10 << 30
     worker = types.SimpleNamespace(cache_config=types.SimpleNamespace(kv_cache_memory_bytes={given}))
-    sized = engine_routes.sizing_kv_cache({counts_torch_reserved}, "engine.x")(determine_available_memory)
+    sized = engines.sizing_kv_cache({counts_torch_reserved}, "engine.x")(determine_available_memory)
     print("kv:", sized(worker))
     """)
     assert "reserved while sizing: True" in out and f"kv: {(10 << 30) - lost}" in out
@@ -308,8 +309,8 @@ def test_release_and_reserve_move_the_workspace_and_refuse_while_a_block_is_live
 
 def test_sleep_releases_the_workspace_and_wake_takes_it_again():
     out = _host("""
-    sleep = engine_routes.releasing_after("engine.x")(lambda: "slept")
-    wake = engine_routes.reserving_first("engine.x")(lambda: "woke")
+    sleep = engines.releasing_after("engine.x")(lambda: "slept")
+    wake = engines.reserving_first("engine.x")(lambda: "woke")
     alloc.reserve(0)
     print(sleep(), alloc.workspace_reserved(0), wake(), alloc.workspace_reserved(0))
     from alloc._core import ffi, lib
@@ -331,7 +332,7 @@ def test_vllms_max_split_setting_is_left_out_in_the_workspace_scope(scope, kept)
     def scoped(self, max_split_size_mb):
         print("set", max_split_size_mb)
         yield
-    with engine_routes.keeping_the_pool_splittable(scoped)(None, max_split_size_mb=20):
+    with engines.keeping_the_pool_splittable(scoped)(None, max_split_size_mb=20):
         print("profiled")
     """, scope=scope)
     assert out == (["set 20", "profiled"] if kept else ["profiled"])
@@ -339,7 +340,7 @@ def test_vllms_max_split_setting_is_left_out_in_the_workspace_scope(scope, kept)
 
 def test_sglangs_logits_budget_is_capped_at_the_workspaces():
     out = _host("""
-    capped = engine_routes.capped_to_budget(lambda device_index: {2: 3 << 30, 3: 1 << 20}[device_index])
+    capped = engines.capped_to_budget(lambda device_index: {2: 3 << 30, 3: 1 << 20}[device_index])
     print(capped(device_index=2) >> 20, capped(device_index=3) >> 20)
     """)
     assert out == ["64 1"]

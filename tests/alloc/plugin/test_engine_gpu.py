@@ -1,6 +1,6 @@
 """What the engine plugin relies on, on a real GPU, in both scopes: a workspace inside a CUDA graph
 capture (a decode step replayed on fresh data equals the eager one), indexer logits the arena
-cannot hold served outside it (alloc/engine_routes.py), and release/reserve around an engine's
+cannot hold served outside it (alloc/engines.py), and release/reserve around an engine's
 sleep. Each test runs in a fresh interpreter: benchmarks/gpu_suite.sh tests-scoped."""
 
 import pytest
@@ -63,14 +63,14 @@ print(json.dumps({"equal": equal, "reserves": s["arena.workspace.backend_reserve
 def test_logits_the_arena_cannot_hold_are_served_outside_it_and_counted(scope):
     out = run(f"""
 alloc.install(alloc.Config(budget_mb=64), scope={scope!r})
-from alloc import engine_routes
+from alloc import engines
 torch.cuda.init()
 alloc.reserve(0)
 
 def paged_logits(q, kv, weights, lens, tables, schedule, width):  # DeepGEMM's shape of result
     return torch.full((weights.shape[0], width), 2.0, device="cuda")
 
-routed = engine_routes.logits_in_workspace(engine_routes.paged_logits_bytes)(paged_logits)
+routed = engines.logits_in_workspace(engines.paged_logits_bytes)(paged_logits)
 regions = [(r.base, r.base + r.size) for r in alloc.device_arena(0, "workspace").regions()]
 inside = lambda t: any(lo <= t.data_ptr() < hi for lo, hi in regions)
 rows = lambda n: torch.zeros(n, 4, device="cuda")
