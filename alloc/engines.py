@@ -49,10 +49,10 @@ def _serve_outside(fn, args, kwargs, device: int, nbytes: int, why: str, logger:
         budget = plugin.installed_config().budget_mb
         need = f" ({-(-nbytes // (1 << 20))} MiB)" if nbytes else ""
         logging.getLogger(logger).warning(
-            "indexer-arena: an indexer logits request%s %s, so it was served outside the arena "
-            "by the engine's allocator, as it would be without the plugin (counted in "
-            "alloc.memory_stats()['arena.outside.calls']); raise budget_mb above it to keep "
-            "such requests inside. Warned once.", need, why)
+            "indexer-arena: an indexer logits request%s %s (budget_mb %d), so it was served "
+            "outside the arena by the engine's allocator, as it would be without the plugin "
+            "(counted in alloc.memory_stats()['arena.outside.calls']); raise budget_mb above it "
+            "to keep such requests inside. Warned once.", need, why, budget)
     return fn(*args, **kwargs)
 
 
