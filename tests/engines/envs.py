@@ -12,6 +12,7 @@ registered.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -77,7 +78,6 @@ def _requirements(py: Path, engine: Engine) -> list[str]:
     code = ("import importlib.metadata as m, json;"
             f"print(json.dumps(m.requires({engine.package!r}) or []))")
     out = subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout
-    import json
     keep = []
     for req in json.loads(out):
         if "extra ==" in req:
