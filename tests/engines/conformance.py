@@ -166,6 +166,8 @@ class Collected(logging.Handler):
 
 def main() -> None:
     kind, scope = sys.argv[1], sys.argv[2]
+    # vLLM configures its loggers when vllm.logger is imported, which resets its loggers' children
+    importlib.import_module({"vllm": "vllm.logger", "sglang": "sglang"}[kind])
     log = Collected(f"{kind}.indexer_arena")
     os.environ.pop("INDEXER_ARENA_SCOPE", None)
     if scope != "off":
