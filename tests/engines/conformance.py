@@ -166,6 +166,13 @@ class Collected(logging.Handler):
 
 def main() -> None:
     kind, scope = sys.argv[1], sys.argv[2]
+    if scope == "bad":  # a bad setting through the engine's own loader: one line, exit status 1
+        os.environ["INDEXER_ARENA_SCOPE"] = "everywhere"
+        loader = {"vllm": ("vllm.plugins", "load_general_plugins"),
+                  "sglang": ("sglang.srt.plugins", "load_plugins")}[kind]
+        getattr(importlib.import_module(loader[0]), loader[1])()
+        print("went on")
+        return
     # vLLM configures its loggers when vllm.logger is imported, which resets its loggers' children
     importlib.import_module({"vllm": "vllm.logger", "sglang": "sglang"}[kind])
     log = Collected(f"{kind}.indexer_arena")

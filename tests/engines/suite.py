@@ -3,9 +3,11 @@
     ./run.sh engines [NAME...]     (NAME: vllm-0.33.0, vllm-0.13.0, sglang-0.5.23; default all)
 
 For each pinned engine it makes or updates the environment (tests/engines/envs.py: several GB,
-downloaded once), then runs tests/engines/conformance.py there three times, in fresh processes:
-plugin off, process scope, workspace scope. It checks, and prints as a table:
+downloaded once), then runs tests/engines/conformance.py there four times, in fresh processes:
+plugin off, process scope, workspace scope, and a bad INDEXER_ARENA_SCOPE. It checks, and prints:
 
+- a bad setting, through the engine's own loader, ends the process with exit status 1 and one
+  line, without a traceback;
 - the plugin was loaded by the engine's own loader and installed where the worker starts, and no
   route for this version found nothing (every route applied; DeepGEMM's are applied when the
   engine imports it, which the run makes it do);
@@ -44,10 +46,27 @@ def run_one(py: Path, engine: envs.Engine, scope: str) -> dict:
     return json.loads(lines[-1])
 
 
+BAD_SCOPE_LINE = "indexer-arena: invalid value 'everywhere' for 'INDEXER_ARENA_SCOPE'"
+
+
+def bad_setting(py: Path, engine: envs.Engine) -> dict:
+    """A bad INDEXER_ARENA_SCOPE through the engine's own plugin loader."""
+    done = subprocess.run([str(py), str(HERE / "conformance.py"), engine.kind, "bad"],
+                          capture_output=True, text=True, timeout=1800)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    return {"returncode": done.returncode, "went_on": "went on" in done.stdout,
+            "traceback": "Traceback" in done.stdout + done.stderr,
+            "last_line": lines[-1] if lines else ""}
+
+
 def failures(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
     """What each check found wrong (empty: all passed)."""
     off, bad = runs["off"], []
     budget = off["budget_mb"] * MiB
+    refused = runs["bad"]
+    if refused["returncode"] != 1 or refused["went_on"] or refused["traceback"] \
+            or not refused["last_line"].startswith(BAD_SCOPE_LINE):
+        bad.append(f"a bad INDEXER_ARENA_SCOPE did not end the process with one line: {refused}")
     if off["loaded"] or off["routes"]:
         bad.append("off: the plugin acted without INDEXER_ARENA_SCOPE")
     for scope in ("process", "workspace"):
@@ -81,7 +100,11 @@ def failures(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
 def table(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
     off = runs["off"]
     rows = [f"{engine.name} (torch {off['torch']}), budget {off['budget_mb']} MiB:"]
+    rows.append(f"  bad scope exit {runs['bad']['returncode']}, traceback {runs['bad']['traceback']}, "
+                f"last line: {runs['bad']['last_line']}")
     for scope, run in runs.items():
+        if scope == "bad":
+            continue
         kv = run["kv_cache_bytes"] / MiB
         line = f"  {scope:9} KV cache {kv:,.0f} MiB"
         if scope != "off":
@@ -114,6 +137,7 @@ def main(argv: list[str]) -> int:
         started = time.monotonic()
         py = envs.ensure(engine)
         runs = {scope: run_one(py, engine, scope) for scope in ("off", "process", "workspace")}
+        runs["bad"] = bad_setting(py, engine)
         print("\n".join(table(engine, runs)), flush=True)
         bad = failures(engine, runs)
         failed += [f"{engine.name}: {b}" for b in bad]
