@@ -3,14 +3,17 @@
 #   ./run.sh main    the seed workload: on a GPU, every allocator side by side; on the CPU, the
 #                    host-backed arena simulation of the same workload and the pre-launch fit check
 #   ./run.sh tests   the test suite (GPU tests run where CUDA is, and are skipped elsewhere)
+#   ./run.sh engines the engine conformance suite: the engine plugin against the released vLLM
+#                    and SGLang wheels, each in an environment of its own under .engines/ (several
+#                    GB, made on first use; tests/engines/suite.py)
 # Extra arguments go to the job. The environment lives in .venv (VENV=... to move it).
 set -euo pipefail
 cd "$(dirname "$0")"
 job="${1:-}"
 shift || true
 case "$job" in
-  main|tests) ;;
-  *) echo "usage: ./run.sh main|tests [args...]" >&2; exit 2 ;;
+  main|tests|engines) ;;
+  *) echo "usage: ./run.sh main|tests|engines [args...]" >&2; exit 2 ;;
 esac
 
 venv="${VENV:-.venv}"
@@ -41,4 +44,5 @@ fi
 case "$job" in
   main) exec "$py" examples/seed_workload.py "$@" ;;
   tests) exec "$py" -m pytest -q "$@" ;;
+  engines) exec "$py" -m tests.engines.suite "$@" ;;
 esac

@@ -10,7 +10,7 @@ import importlib
 
 from .config import ENV_VAR, VLLM_BUDGET_VAR, Config, from_env
 from .errors import (ArenaError, ArenaOutOfMemory, BackendError, ConfigError, DoubleFree,
-                     ForeignPointer, InstallError, InvalidFree, InvariantError)
+                     ForeignPointer, InstallError, InvalidFree, InvariantError, WorkspaceBusy)
 from .records import STREAM_NONE
 
 _COMPILED = {  # name -> the module that defines it; each one imports the compiled core
@@ -19,14 +19,14 @@ _COMPILED = {  # name -> the module that defines it; each one imports the compil
         "SCOPES", "device_arena", "device_is_expandable", "device_is_unified", "graph_pool_blocks", "graph_pools",
         "in_workspace", "install", "installed_config", "installed_scope", "is_installed",
         "max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
-        "memory_stats", "pool_segment_bytes", "pool_snapshot", "reserve", "reset_peak_memory_stats",
-        "workspace", "workspace_pool"), "plugin"),
+        "memory_stats", "pool_segment_bytes", "pool_snapshot", "release", "reserve",
+        "reset_peak_memory_stats", "workspace", "workspace_pool", "workspace_reserved"), "plugin"),
 }
 
 __all__ = [
     "STREAM_NONE", "ENV_VAR", "VLLM_BUDGET_VAR", "Config", "from_env",
     "ArenaError", "ArenaOutOfMemory", "BackendError", "ConfigError", "DoubleFree",
-    "ForeignPointer", "InstallError", "InvalidFree", "InvariantError",
+    "ForeignPointer", "InstallError", "InvalidFree", "InvariantError", "WorkspaceBusy",
     *_COMPILED,
 ]
 

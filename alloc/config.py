@@ -18,6 +18,8 @@ from .units import MAX_SIZE, whole_number
 
 ENV_VAR = "INDEXER_ARENA_CONF"
 VLLM_BUDGET_VAR = "VLLM_SPARSE_INDEXER_MAX_LOGITS_MB"
+SCOPES = ("process", "workspace")
+"""The scopes alloc.install() takes: the arena as the process's CUDA allocator, or for workspaces alone."""
 
 
 def _choice(*choices: str) -> Callable[[str], str]:

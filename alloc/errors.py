@@ -47,3 +47,7 @@ class BackendError(ArenaError, RuntimeError):
 
 class InstallError(ArenaError, RuntimeError):
     """The allocator could not be installed into PyTorch."""
+
+
+class WorkspaceBusy(ArenaError, RuntimeError):
+    """The workspace arena could not be released: some of its blocks are live."""

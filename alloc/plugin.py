@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from . import config as config_mod
 from ._core import ffi, lib
 from .arena import Arena, stats_dict
-from .errors import InstallError
+from .errors import InstallError, WorkspaceBusy
 from .units import fmt_bytes
 
 POOLS = tuple(ffi.string(lib.ia_plugin_pool_name(p)).decode() for p in range(lib.IA_POOL_COUNT))
@@ -32,7 +32,7 @@ POOLS = tuple(ffi.string(lib.ia_plugin_pool_name(p)).decode() for p in range(lib
 MAX_DEVICES = lib.IA_MAX_DEVICES
 SMALL_REQUEST = lib.IA_SMALL_REQUEST
 """General requests up to this many bytes go to the small pool, larger ones to the large pool."""
-SCOPES = ("process", "workspace")
+SCOPES = config_mod.SCOPES
 _SCOPE_CODES = {"process": lib.IA_SCOPE_PROCESS, "workspace": lib.IA_SCOPE_WORKSPACE}
 
 
@@ -214,13 +214,46 @@ def _check_pool_settings() -> None:
 
 def reserve(device: int) -> None:
     """Creates the device's arenas now, reserving its workspace budget (one cudaMalloc); in
-    workspace scope, also the device's workspace pool (``workspace_pool``)."""
+    workspace scope, also the device's workspace pool (``workspace_pool``). After ``release``,
+    reserves the budget again."""
     if not is_installed():
         raise InstallError("alloc.reserve() needs alloc.install() first")
     if _installed.scope == "workspace":
         workspace_pool(device)
         return
     _reserve_arena(device)
+
+
+def release(device: int) -> None:
+    """Gives the device's workspace arena back to the driver (an engine going to sleep), when no
+    workspace block is live; ``reserve(device)`` or the next workspace takes the budget again.
+    Workspace scope: the device's pool goes with it. Raises ``WorkspaceBusy`` naming what is live;
+    nothing is released then."""
+    if not is_installed():
+        raise InstallError("alloc.release() needs alloc.install() first")
+    index = _device_index(device)
+    with _pool_lock:
+        pool = _installed.pools.get(index)
+        if pool is not None:
+            import torch
+            live = sum(b["size"] for seg in pool_snapshot(index) for b in seg["blocks"]
+                       if b["state"] != "inactive")
+            if live:
+                raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: "
+                                    f"{fmt_bytes(live)} of its pool are live; free those tensors first")
+            del _installed.pools[index]
+            del pool  # PyTorch frees a released pool's segment at the next empty_cache()
+            torch.cuda.synchronize(index)
+            torch.cuda.empty_cache()
+        if lib.ia_plugin_release(index) != lib.IA_OK:
+            why = ffi.string(lib.ia_plugin_failure()).decode()
+            raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: {why}; free those "
+                                "tensors (or the CUDA graphs that hold them) first")
+
+
+def workspace_reserved(device: int) -> bool:
+    """Whether the device's workspace arena is reserved now."""
+    return lib.ia_plugin_arena(int(device), POOLS.index("workspace")) != ffi.NULL
 
 
 def _reserve_arena(device: int) -> None:
@@ -302,6 +335,16 @@ def workspace() -> Iterator[None]:
             lib.ia_workspace_exit()
         return
     import torch
+    if torch.cuda.is_current_stream_capturing():
+        # PyTorch gives a pool's blocks to the stream that made its segment only, and the budget
+        # is that one segment: a capturing stream's request would need another. The graph's own
+        # private pool serves it instead, as every other tensor of the capture.
+        lib.ia_workspace_enter()
+        try:
+            yield
+        finally:
+            lib.ia_workspace_exit()
+        return
     device = torch.cuda.current_device()
     pool = workspace_pool(device)
     refusals = lib.ia_plugin_pool_refusals()
@@ -394,15 +437,16 @@ def memory_stats(device: int | None = None) -> dict:
 
     Beside them, ``arena.<pool>.<stat>`` for every statistic of every arena (pools: workspace,
     small, large; ``alloc.Arena.stats()`` keys), ``arena.expandable`` (1 when the general pools map
-    pages) and ``arena.graphs.*``. In workspace scope PyTorch's keys are PyTorch's own
-    (``torch.cuda.memory_stats()``, which counts the workspace pool)."""
+    pages), ``arena.graphs.*`` and ``arena.outside.*`` (``outside_stats``). In workspace scope
+    PyTorch's keys are PyTorch's own (``torch.cuda.memory_stats()``, which counts the workspace
+    pool)."""
     device = _device_index(device)
     pools = _pool_stats(device)
     if _pytorch_counts():
         import torch
         out = dict(torch.cuda.memory_stats(device))
         out.update({f"arena.workspace.{k}": v for k, v in pools["workspace"].items()})
-        return out
+        return {**out, **outside_stats(device)}
     s = ffi.new("ia_torch_stats_t *")
     lib.ia_plugin_torch_stats(device, s)
     out: dict[str, float] = {}
@@ -423,7 +467,26 @@ def memory_stats(device: int | None = None) -> dict:
         out[f"arena.graphs.{key}"] = sum(p[key] for p in held)
         for p in held:
             out[f"arena.graphs.{p['id'][0]}_{p['id'][1]}.{key}"] = p[key]
-    return out
+    return {**out, **outside_stats(device)}
+
+
+_outside: dict[int, tuple[int, int]] = {}
+_outside_lock = threading.Lock()
+
+
+def count_outside(device: int, nbytes: int) -> None:
+    """Counts a workspace request served outside the arena (alloc.engines: decode logits larger
+    than the budget go to the current allocator instead of failing)."""
+    with _outside_lock:
+        calls, total = _outside.get(device, (0, 0))
+        _outside[device] = (calls + 1, total + nbytes)
+
+
+def outside_stats(device: int) -> dict:
+    """``arena.outside.calls`` and ``arena.outside.bytes``: the device's workspace requests served
+    outside the arena (``count_outside``), bytes as estimated when they were diverted."""
+    calls, total = _outside.get(device, (0, 0))
+    return {"arena.outside.calls": calls, "arena.outside.bytes": total}
 
 
 def graph_pools(device: int | None = None) -> list[dict]:

@@ -78,7 +78,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     tests-graphs) pytest_stage gpu_tests_graphs gpu tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py \
                     tests/alloc/plugin/test_memory_stats.py tests/alloc/plugin/test_memory_tools.py ;;
     tests-scoped) pytest_stage gpu_tests_scoped "" \
-                    tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py tests/alloc/plugin/test_cpu.py \
+                    tests/alloc/plugin/test_scoped.py tests/alloc/plugin/test_engine_gpu.py tests/alloc/test_engines.py tests/alloc/plugin/test_cpu.py \
                     tests/alloc/test_unified.py "tests/arena_tools/test_replay.py::test_gpu_side_by_side" \
                     "tests/indexer/test_prefill.py::test_prefill_same_indices_with_and_without_the_arena" ;;
     tests-indexer) pytest_stage gpu_tests_indexer gpu tests/indexer ;;

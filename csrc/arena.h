@@ -410,6 +410,9 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config);
 /* Creates the device's arenas now (they are otherwise created at its first allocation). */
 ia_status_t ia_plugin_reserve(int device);
 const char *ia_plugin_failure(void);
+/* Gives the device's workspace arena back (it is made again at the next reservation); refused
+ * (IA_ERR_INVALID_ARGUMENT, ia_plugin_failure says why) while any of its blocks is live. */
+ia_status_t ia_plugin_release(int device);
 ia_arena_t *ia_plugin_arena(int device, int pool); /* NULL until the device has its arenas */
 bool ia_plugin_device_unified(int device);
 /* Whether the device's general pools map pages of one address range (false before its first use). */

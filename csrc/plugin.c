@@ -264,6 +264,33 @@ ia_status_t ia_plugin_reserve(int device) {
 
 const char *ia_plugin_failure(void) { return _ia_failure; }
 
+/* Sleep: the workspace arena goes back to the driver when none of its blocks is live (a workspace
+ * tensor, a CUDA graph's carve-out, the workspace pool's segment), and comes back at the next
+ * reservation. The caller keeps the device's workspaces idle meanwhile: a workspace allocation
+ * racing this call is not guarded against (an engine asleep serves nothing). */
+ia_status_t ia_plugin_release(int device) {
+  if (!_ia_device_ready(device)) return IA_OK;
+  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
+  ia_status_t st = IA_OK;
+  pthread_mutex_lock(&_ia_plugin.lock);
+  ia_arena_t *arena = atomic_load(&slot->workspace_ready) ? slot->arenas[IA_POOL_WORKSPACE] : NULL;
+  ia_stats_t s;
+  if (arena) ia_arena_stats(arena, &s);
+  if (arena && s.in_use.current) {
+    char live[32];
+    snprintf(_ia_failure, sizeof _ia_failure, "%s of its workspace arena are live (%llu blocks)",
+             _ia_format_bytes(s.in_use.current, live, sizeof live), (unsigned long long)s.blocks.current);
+    st = IA_ERR_INVALID_ARGUMENT;
+  } else if (arena) {
+    atomic_store_explicit(&slot->workspace_ready, 0, memory_order_release);
+    slot->arenas[IA_POOL_WORKSPACE] = NULL;
+    atomic_store(&slot->pool_stream, IA_STREAM_NONE);
+    ia_arena_destroy(arena);
+  }
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  return st;
+}
+
 bool _ia_device_ready(int device) {
   return device >= 0 && device < IA_MAX_DEVICES &&
          atomic_load_explicit(&_ia_plugin.devices[device].ready, memory_order_acquire) == 1;

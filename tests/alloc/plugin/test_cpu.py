@@ -135,6 +135,23 @@ def test_shim_builds_for_the_installed_torch(tmp_path, monkeypatch):
         shims.build()
 
 
+def test_workers_building_the_shim_into_one_cache_at_once_each_get_a_whole_file(tmp_path):
+    # An engine starts several workers together, each building into the same cache: each build
+    # goes to a temporary name and is renamed into place, so every worker loads a whole file.
+    pytest.importorskip("torch")
+    code = ("import ctypes; from alloc import shims; p = shims.build(); "
+            "ctypes.CDLL(str(p)).indexer_arena_raise_oom; print(p)")
+    import os
+    import sys
+    env = {**os.environ, "INDEXER_ARENA_CACHE": str(tmp_path)}
+    workers = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [w.communicate(timeout=600) for w in workers]
+    assert all(w.returncode == 0 for w in workers), [err for _, err in outs]
+    assert len({out.strip() for out, _ in outs}) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(outs[0][0].strip())]
+
+
 def test_a_device_whose_driver_cannot_map_pages_says_why():
     """`python -m alloc devices` and expandable:on both report the driver's reason; without a CUDA
     driver on the machine, it is that the driver library cannot be loaded."""
