@@ -73,6 +73,7 @@ import triton
 import triton.language as tl
 
 from ._device import sm_count
+from ._launch import LAUNCH_OPTIONS
 
 __all__ = ["TopkConfig", "top_k_per_row", "default_config", "sweep_configs", "scratch_elems",
            "max_registers", "path_counts"]
@@ -836,6 +837,6 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
     pairs = scratch.narrow(0, 0, need).view(torch.int64)
     _topk_kernel[(grid,)](
         logits, ks, ke, out, pairs, path, m, n, logits.stride(0), out.stride(0),
-        WITH_PATH=return_path, **consts,
+        WITH_PATH=return_path, **consts, **LAUNCH_OPTIONS,
     )
     return (out, path) if return_path else out
