@@ -26,7 +26,8 @@ from tests.support.indexer_cpu import FP32_TOL, make_inputs, make_paged, poisone
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m,n,h,d", [(37, 101, 8, 32), (1, 5, 16, 16), (19, 66, 32, 64),
                                      (9, 40, 64, 32), (13, 29, 8, 128)])
-@pytest.mark.parametrize("config", [None, LogitsConfig(32, 16, 4, 2)], ids=["default", "32x16"])
+@pytest.mark.parametrize("config", [None, LogitsConfig(32, 16, 4, 2), logits_mod.FAMILY_DEFAULTS["sm_120"]],
+                         ids=["default", "32x16", "32x128"])
 def test_logits_match_reference(m, n, h, d, config):
     args = make_inputs(m, n, h, d, seed=m * 1000 + n + h)
     buf, out = poisoned(m, n)
@@ -177,6 +178,34 @@ def test_paged_equals_dense(dtype):
                              torch.tensor(context, dtype=torch.int32, device="cuda"), ratio,
                              n_cols=n)
     assert torch.equal(dense, paged)
+
+
+# Every family's tiles, run here (the H200 runs sm_90's code, not theirs): the tile's edges,
+# masks and skipped tiles at odd M and N against the exact-input reference.
+FAMILY_TILES = sorted({c for table in (logits_mod.FAMILY_DEFAULTS, logits_mod.FLOAT32_DEFAULTS)
+                       for c in table.values()}, key=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", FAMILY_TILES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, gpu.FP8, torch.float32], ids=["bf16", "fp8", "fp32"])
+def test_every_familys_tile_matches_the_reference(config, dtype):
+    m, n, h, d = 1531, 7919, 64, 128
+    g = gpu.gen(17)
+    q32 = torch.randn(m, h, d, generator=g, device="cuda")
+    kv32 = torch.randn(n, d, generator=g, device="cuda")
+    w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
+    q, kv, row_scale = (q32, kv32, torch.ones(n, device="cuda")) if dtype == torch.float32 \
+        else gpu.quantize(q32, kv32, dtype)
+    kv_scale = ((torch.rand(n, generator=g, device="cuda") + 0.5) * row_scale).float()
+    ks, ke = gpu.ragged_rows(m, n, g)
+    buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
+    mqa_logits(q, kv, kv_scale, w, ks, ke, buf[:, :n], config=config)
+    exact = ref.logits(q, kv, kv_scale, w, ks, ke)
+    out = buf[:, :n]
+    assert not out.isnan().any() and buf[:, n:].isnan().all()
+    assert torch.equal(torch.isinf(out), torch.isinf(exact))
+    assert rel_err(out, exact) < gpu.EXACT_TOL.get(dtype, FP32_TOL)
 
 
 # --- compiled for each target GPU --------------------------------------------------------------

@@ -1,6 +1,7 @@
 """top_k_per_row (indexer/topk.py): every path of the kernel (short, direct, sampled, radix,
 refined, ties) against the exact set under the interpreter, long rows on a GPU, and the kernel
-and the sweep's candidates compiled for sm_90 without spills."""
+and the sweep's candidates compiled for sm_90 without spills (the default for sm_100 and GB10's
+sm_121 too)."""
 
 import dataclasses
 
@@ -16,7 +17,7 @@ from indexer import topk as topk_mod
 from indexer.topk import (PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_SAMPLED, PATH_SHORT,
                           PATH_TIES, default_config, scratch_elems)
 from tests.support import indexer_gpu as gpu
-from tests.support.sm90 import compile_kernel, innermost_loops, resources, spill_ops
+from tests.support.aot import GPUS, compile_kernel, innermost_loops, resources, spill_ops
 
 
 # --- under the interpreter -------------------------------------------------------------------
@@ -353,7 +354,7 @@ def test_topk_long_rows_ties_and_paths(sampled):
     assert counts["refined"] <= 10, "pass 1 should rarely need a second read"
 
 
-# --- compiled for sm_90 ----------------------------------------------------------------------
+# --- compiled ahead of time ----------------------------------------------------------------------
 
 
 def assert_row_passes_do_not_spill(kernel, cfg):
@@ -368,7 +369,7 @@ def assert_row_passes_do_not_spill(kernel, cfg):
         f"{cfg}: spill loads/stores per row-pass loop {spills}")
 
 
-def compile_topk(k, cfg):
+def compile_topk(k, cfg, gpu=GPUS["sm_90"]):
     """The top-k kernel as top_k_per_row launches it over [4096, 65536] logits: its constexprs
     and the register cap that lets ``programs_per_sm`` programs share an SM."""
     fn = topk_mod._topk_kernel
@@ -377,21 +378,25 @@ def compile_topk(k, cfg):
     constexprs = dict(topk_mod._launch_constants(cfg, k), WITH_PATH=False)
     options = {name: constexprs.pop(name) for name in ("num_warps", "maxnreg")}
     ints = dict(M=4096, N=65536, stride_xm=65536, stride_om=k)
-    return compile_kernel(fn, pointers, ints, constexprs, **options)
+    return compile_kernel(fn, pointers, ints, constexprs, gpu=gpu, **options)
 
 
+# One default config for every GPU: on sm_120 and sm_121 (100 KiB of shared memory an SM) its
+# four programs take 4 x (24 KiB + the 1 KiB each block reserves), all there is.
 @pytest.mark.compiled
-@pytest.mark.parametrize("k", [2048, 512])
-def test_topk_kernel_compiles_for_sm90_without_spills(k):
+@pytest.mark.parametrize("name,k", [("sm_90", 2048), ("sm_90", 512), ("sm_100", 2048),
+                                    ("sm_121", 2048)])
+def test_topk_kernel_compiles_without_spills_all_programs_resident(name, k):
     cfg = topk_mod.default_config(k)
-    kernel = compile_topk(k, cfg)
+    gpu = GPUS[name]
+    kernel = compile_topk(k, cfg, gpu)
     use = resources(kernel)
-    print(f"top-k k={k} Triton {triton.__version__}: {use['REG']} registers a thread "
+    print(f"top-k {name} k={k} Triton {triton.__version__}: {use['REG']} registers a thread "
           f"(cap {topk_mod.max_registers(cfg)}), {kernel.metadata.shared} B shared, {cfg}")
     assert_row_passes_do_not_spill(kernel, cfg)
     # every program of the persistent grid must be resident at once
-    assert use["REG"] * 32 * cfg.num_warps * cfg.programs_per_sm <= 65536, use
-    assert kernel.metadata.shared * cfg.programs_per_sm <= 228 * 1024
+    assert gpu.fits(kernel.metadata.shared, use["REG"], 32 * cfg.num_warps, cfg.programs_per_sm), (
+        use, kernel.metadata.shared)
     assert "cp.async" in kernel.asm["ptx"], "expected the row passes' loads pipelined"
 
 
