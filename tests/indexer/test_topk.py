@@ -221,7 +221,7 @@ def test_topk_gpu_defaults_on_long_rows():
     x[3] = torch.randint(0, 2000, (n,), generator=g).float()   # ties inside the list
     ks = torch.tensor([0, 3, 0, 5], dtype=torch.int32)
     ke = torch.tensor([n, n - 7, n, 60000], dtype=torch.int32)
-    _, path = check_topk(x, ks, ke, k, config=default_config(k, "cuda"))
+    _, path = check_topk(x, ks, ke, k, config=default_config(k, "cuda", (9, 0)))
     assert path.tolist() == [PATH_SAMPLED, PATH_SAMPLED, PATH_TIES, PATH_SAMPLED]
 
 
@@ -381,14 +381,28 @@ def compile_topk(k, cfg, gpu=GPUS["sm_90"]):
     return compile_kernel(fn, pointers, ints, constexprs, gpu=gpu, **options)
 
 
-# One default config for every GPU: on sm_120 and sm_121 (100 KiB of shared memory an SM) its
-# four programs take 4 x (24 KiB + the 1 KiB each block reserves), all there is.
+def test_the_default_fits_each_familys_shared_memory():
+    """Four programs an SM of four pipeline stages where the SM has 228 KiB (sm_90, sm_100),
+    three stages where it has 100 (sm_120, GB10's sm_121, and the generic family's); the sweep
+    starts from the device's default and times the other depth too."""
+    for cap, stages in [((9, 0), 4), ((10, 0), 4), ((10, 3), 4), ((12, 0), 3), ((12, 1), 3),
+                        ((8, 9), 3), ((8, 0), 3)]:
+        cfg = default_config(2048, "cuda", cap)
+        assert (cfg.stages, cfg.programs_per_sm) == (stages, 4), cap
+        assert cfg == dataclasses.replace(default_config(2048, "cuda", (9, 0)), stages=stages)
+        sweep = topk_mod.sweep_configs(2048, cap)
+        assert sweep[0] == cfg and len(set(sweep)) == len(sweep)
+        assert {c.stages for c in sweep} == {3, 4}
+
+
+# The default on each family's GPU: sm_121 (GB10) and the generic family's sm_89 have 100 KiB
+# of shared memory an SM, where four programs of four stages do not fit (default_config).
 @pytest.mark.compiled
 @pytest.mark.parametrize("name,k", [("sm_90", 2048), ("sm_90", 512), ("sm_100", 2048),
-                                    ("sm_121", 2048)])
+                                    ("sm_121", 2048), ("sm_89", 2048)])
 def test_topk_kernel_compiles_without_spills_all_programs_resident(name, k):
-    cfg = topk_mod.default_config(k)
     gpu = GPUS[name]
+    cfg = topk_mod.default_config(k, capability=gpu.capability)
     kernel = compile_topk(k, cfg, gpu)
     use = resources(kernel)
     print(f"top-k {name} k={k} Triton {triton.__version__}: {use['REG']} registers a thread "
@@ -401,9 +415,9 @@ def test_topk_kernel_compiles_without_spills_all_programs_resident(name, k):
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("index", range(len(topk_mod.sweep_configs(2048))))
+@pytest.mark.parametrize("index", range(len(topk_mod.sweep_configs(2048, (9, 0)))))
 def test_topk_sweep_candidates_compile_without_spills(index):
-    cfg = topk_mod.sweep_configs(2048)[index]
+    cfg = topk_mod.sweep_configs(2048, (9, 0))[index]
     kernel = compile_topk(2048, cfg)
     use = resources(kernel)
     print(f"top-k sweep {index} Triton {triton.__version__}: {use['REG']} registers a thread "
