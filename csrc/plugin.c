@@ -371,7 +371,13 @@ ia_status_t ia_plugin_trace_start(size_t capacity) {
   return st;
 }
 
-ia_trace_t *ia_plugin_trace(void) { return _ia_plugin.trace; }
+/* Under the lock: the trace may be made by another thread at this moment (ia_plugin_trace_start). */
+ia_trace_t *ia_plugin_trace(void) {
+  pthread_mutex_lock(&_ia_plugin.lock);
+  ia_trace_t *t = _ia_plugin.trace;
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  return t;
+}
 
 ia_totals_t *_ia_plugin_totals(int device) {
   return device >= 0 && device < IA_MAX_DEVICES ? &_ia_plugin.devices[device].totals : NULL;

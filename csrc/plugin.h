@@ -6,6 +6,10 @@
 
 #include "internal.h"
 
+/* ready and workspace_ready publish what is set before them (the arenas, unified, expandable,
+ * owner): stored under the plugin's lock with release (create_device's sequentially consistent
+ * store is one) and read with acquire where no lock is taken (_ia_device_slot, _ia_device_ready,
+ * ia_plugin_arena), so that on Arm a thread that sees 1 also sees the arenas. */
 typedef struct {
   _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
   _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
@@ -16,16 +20,17 @@ typedef struct {
   size_t address_range;
   uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
   _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
-  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
+  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment (a
+                                    * value set once by compare-and-swap; it publishes nothing) */
 } _ia_device_slot_t;
 
 typedef struct {
   pthread_mutex_t lock; /* guards configuration and device creation */
   bool configured;
   ia_plugin_config_t config; /* its strings are plugin.c's own copies */
-  ia_trace_t *trace;
+  ia_trace_t *trace; /* under the lock (arenas get it through ia_arena_set_trace's release) */
   _ia_device_slot_t devices[IA_MAX_DEVICES];
-  _Atomic uint64_t ooms, retries;
+  _Atomic uint64_t ooms, retries; /* counts, relaxed enough */
 } _ia_plugin_t;
 extern _ia_plugin_t _ia_plugin;
 /* Why the last device creation, reservation or routing of this thread failed (ia_plugin_failure). */

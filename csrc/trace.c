@@ -1,5 +1,7 @@
 /* Allocation trace: a fixed ring of events. Memory is bounded by the capacity chosen at creation;
- * a full ring overwrites its oldest entry, and `dropped` counts what was lost that way. */
+ * a full ring overwrites its oldest entry, and `dropped` counts what was lost that way.
+ * Every field but capacity (fixed before the trace is handed to an arena, whose release store
+ * publishes it) is read and written under the lock, which orders them on any CPU. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
