@@ -174,10 +174,9 @@ _INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
 # what overlaps one program's relus with the other's products; the compiled tests of
 # tests/indexer/test_logits.py check that for every family's targets on Triton's ptxas.
 #   sm_90:   64 x 128 on 4 warps (wider tiles, 128 x 128 on 8 warps, spill); the H200 figures.
-#   sm_100:  64 x 128 spills there (255 registers and 200-280 bytes of stack: the accumulator
-#            comes back from tensor memory beside the running sum), and so does 64 x 64 on
-#            Triton 3.6; 32 x 128 keeps the product's 128 kv rows and fits (at most 255
-#            registers, 56 KiB of shared memory).
+#   sm_100:  64 x 128 spills there (255 registers and 136-280 bytes of stack on Triton 3.9,
+#            640-800 on 3.6), and so do 64 x 64 and 64 x 128 on 8 warps on 3.6; 32 x 128 keeps
+#            the product's 128 kv rows and fits (at most 255 registers, 56 KiB).
 #   sm_120:  64 x 128 fits one program an SM (254 registers, 64.5 KiB of the SM's 100);
 #            32 x 128 fits two (at most 168 registers, 48.2 KiB).
 #   generic: the sm_120 tile, which fits the 99 KiB of Ampere and Ada too.
@@ -190,8 +189,8 @@ FAMILY_DEFAULTS = {"sm_90": LogitsConfig(64, 128, 4, 3), "sm_100": LogitsConfig(
 # 32 x 32 does not. sm_90 keeps 32 x 64, the tile its recorded behaviour was taken with.
 FLOAT32_DEFAULTS = {"sm_90": LogitsConfig(32, 64, 4, 2), "sm_100": LogitsConfig(32, 32, 4, 2),
                     "sm_120": LogitsConfig(32, 32, 4, 2), "generic": LogitsConfig(32, 32, 4, 2)}
-# Shared memory a program may take (bytes), by family. The sweep keeps candidates whose estimate
-# (every q stage counted in full) is within this, 200 KiB where the hardware's limit is 227 KiB.
+# Shared memory a program may take (bytes), by family; and what the sweep allows a candidate's
+# estimate (every q stage counted in full): 200 KiB of sm_90's 227, as its recorded sweeps did.
 SHARED_PER_BLOCK = {"sm_90": 227 << 10, "sm_100": 227 << 10, "sm_120": 99 << 10,
                     "generic": 99 << 10}
 _SWEEP_SHARED = {"sm_90": 200 << 10, "sm_100": 200 << 10, "sm_120": 99 << 10,
