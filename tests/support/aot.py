@@ -131,10 +131,17 @@ def _cuobjdump(kernel, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True,
-                              check=True).stdout
+        done = subprocess.run([str(tool), flag, f.name], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
+    if done.returncode != 0:  # Triton 3.6's cuobjdump (CUDA 12.8) cannot read sm_121's SASS
+        pytest.skip(f"the cuobjdump of Triton {triton.__version__} cannot read this cubin "
+                    f"({flag}): {done.stderr.strip()[-200:]}")
+    return done.stdout
+
+
+def triton_newer_than(major: int, minor: int) -> bool:
+    return tuple(int(v) for v in triton.__version__.split(".")[:2]) > (major, minor)
 
 
 def resources(kernel) -> dict:
