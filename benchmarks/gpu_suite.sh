@@ -4,12 +4,16 @@
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
 #   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [decode-graphs] [indexer]
-#                           [indexer-goals] [topk] [replay] [tp]
+#                           [indexer-goals] [topk] [replay] [tp] [torch-tests] [memory-viz]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
 # runs tests-graphs, tests-scoped and tests-indexer four at a time, then their device_wide tests
 # alone; tests-alloc runs one test at a time whatever XDIST says)
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/alloc/tp_seed.py)
+# (torch-tests: PyTorch's own graph and memory-tooling tests under both allocators,
+# benchmarks/alloc/torch_tests.py; TORCH_TESTS names PyTorch's test/test_cuda.py, which is not
+# part of this tree: default .torch-tests/test_cuda.py; TORCH_TESTS_ARGS: more of its flags, e.g.
+# "-k REGEX --alone 4")
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST="${OUT:-gpu-out}"
@@ -72,7 +76,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     tests-alloc) step gpu_tests_alloc "${pytest[@]}" -m gpu \
                    tests/alloc/plugin/test_expandable.py ;;  # one process at a time: some fill the device
     tests-graphs) pytest_stage gpu_tests_graphs gpu tests/alloc/plugin/test_graphs.py tests/alloc/plugin/test_gpu.py \
-                    tests/alloc/plugin/test_memory_stats.py ;;
+                    tests/alloc/plugin/test_memory_stats.py tests/alloc/plugin/test_memory_tools.py ;;
     tests-scoped) pytest_stage gpu_tests_scoped "" \
                     tests/alloc/plugin/test_scoped.py tests/alloc/test_engines.py tests/alloc/plugin/test_cpu.py \
                     tests/alloc/test_unified.py "tests/arena_tools/test_replay.py::test_gpu_side_by_side" \
@@ -89,6 +93,10 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
                      --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;
     topk) step topk_bench $py benchmarks/indexer/bench_topk.py --json "$OUT/topk.json" ;;
     tp) step tp_seed $py benchmarks/alloc/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
+    memory-viz) step memory_viz $py examples/memory_viz.py "$OUT/memory_viz" ;;
+    torch-tests) step torch_tests $py benchmarks/alloc/torch_tests.py --tests "${TORCH_TESTS:-.torch-tests/test_cuda.py}" \
+                   --jobs "${TORCH_TESTS_JOBS:-12}" --json "$OUT/torch_tests.json" --log "$OUT/torch_tests.jsonl" \
+                   ${TORCH_TESTS_ARGS:-} ;;
     replay)
       step report_example $py examples/report_example.py "$OUT/report"
       step replay $py -m arena_tools replay "$OUT/report/trace.csv" --json "$OUT/replay.json" ;;

@@ -252,7 +252,7 @@ static void split_change(const ia_arena_t *a, const block_t *b, int64_t sign, in
 static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_stream_t stream) {
   int64_t n = 0, bytes = 0;
   split_change(a, b, -1, &n, &bytes);
-  block_t *tail = b->size - rsize >= a->opts.alignment ? _ia_block_new(a) : NULL;
+  block_t *tail = !a->opts.no_split && b->size - rsize >= a->opts.alignment ? _ia_block_new(a) : NULL;
   if (tail) {
     tail->addr = b->addr + rsize;
     tail->size = b->size - rsize;
@@ -285,7 +285,20 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
   return _ia_alloc_locked(a, size, stream, NULL, out);
 }
 
+static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, bool grow,
+                                void **out);
+
 ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
+  return alloc_locked(a, size, stream, c, true, out);
+}
+
+ia_status_t ia_arena_alloc_cached(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
+  *out = NULL;
+  return size == 0 ? IA_OK : alloc_locked(a, size, stream, NULL, false, out);
+}
+
+static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, bool grow,
+                                void **out) {
   _ia_arena_lock(a);
   if (c) { /* the calling thread's cache: no claim */
     _ia_collect(a, c);
@@ -296,7 +309,7 @@ ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia
   if (size <= IA_MAX_REQUEST) {
     size_t rsize = _ia_align_up(size, a->opts.alignment);
     b = _ia_find_reclaiming(a, rsize, c);
-    if (!b && a->opts.growable) {
+    if (!b && grow && a->opts.growable) {
       st = _ia_grow(a, rsize);
       if (st == IA_OK) b = _ia_find_free(a, rsize);
     }

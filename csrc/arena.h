@@ -204,8 +204,8 @@ typedef struct ia_stats {
 
 /* A device's statistics in PyTorch's shape, what torch.cuda.memory_stats() reports in process
  * scope: one ia_stat_t per family and kind (IA_KIND_ALL: every arena of the device, graph pools
- * included; SMALL and LARGE: the general small and large pools), the field named for PyTorch's
- * family (IA_STAT_QUADS says which arena quantity it is). */
+ * included; SMALL and LARGE: the general small or large pool with the graph pools' arenas of that
+ * kind), the field named for PyTorch's family (IA_STAT_QUADS says which arena quantity it is). */
 enum { IA_KIND_ALL = 0, IA_KIND_SMALL = 1, IA_KIND_LARGE = 2, IA_KIND_COUNT = 3 };
 #define IA_TORCH_DECLARE(name, torch, doc) ia_stat_t torch[IA_KIND_COUNT];
 typedef struct ia_torch_stats {
@@ -255,6 +255,9 @@ typedef struct ia_arena_options {
    * region_exact_above do not apply), and ia_arena_release_cached unmaps the whole pages of free
    * blocks. Capacity and limit count mapped bytes. The page must be a multiple of the alignment. */
   size_t address_range;
+  /* Every block takes the free block it is served from whole, however much larger (PyTorch's
+   * MemPool(no_split=True)); the default splits off the rest. */
+  bool no_split;
 } ia_arena_options_t;
 
 typedef struct ia_block_info {
@@ -279,6 +282,8 @@ void ia_arena_destroy(ia_arena_t *arena);
 
 /* size 0 yields NULL and IA_OK. Never returns memory outside the arena's regions. */
 ia_status_t ia_arena_alloc(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);
+/* ia_arena_alloc from the free blocks the arena holds: it never grows. */
+ia_status_t ia_arena_alloc_cached(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);
 /* Makes [at, at + size) a live block when that range lies in one free block (checkpoints of CUDA
  * graph pools are restored this way); IA_ERR_OUT_OF_MEMORY when it does not. */
 ia_status_t ia_arena_alloc_at(ia_arena_t *arena, void *at, size_t size, ia_stream_t stream);
@@ -342,6 +347,12 @@ typedef struct ia_trace ia_trace_t;
 ia_status_t ia_trace_create(size_t capacity, ia_trace_t **out);
 void ia_trace_destroy(ia_trace_t *trace);
 void ia_trace_set_enabled(ia_trace_t *trace, bool on);
+/* Every event recorded is also handed to `sink` (NULL: none), ring enabled or not, in the order
+ * recorded, under the trace's lock and the arena's: a sink must not call into any arena. */
+typedef void (*ia_trace_sink_t)(void *ctx, const ia_trace_event_t *event);
+void ia_trace_set_sink(ia_trace_t *trace, ia_trace_sink_t sink, void *ctx);
+/* Whether the ring is enabled or a sink is set. */
+bool ia_trace_recording(ia_trace_t *trace);
 size_t ia_trace_capacity(const ia_trace_t *trace);
 /* Copies the held events oldest first (up to cap); returns how many are held. */
 size_t ia_trace_read(ia_trace_t *trace, ia_trace_event_t *out, size_t cap, uint64_t *dropped);
@@ -353,6 +364,9 @@ void ia_arena_set_trace(ia_arena_t *arena, ia_trace_t *trace, int32_t device, ui
  * The PyTorch plugin: per-device arenas behind CUDAPluggableAllocator's entry points.
  * ---------------------------------------------------------------------------------------------- */
 enum { IA_POOL_WORKSPACE = 0, IA_POOL_SMALL = 1, IA_POOL_LARGE = 2, IA_POOL_COUNT = 3 };
+/* The plugin's trace tags a graph pool's arena IA_TRACE_POOL_GRAPH + 0 (small), + 1 (large) or
+ * + 2 (its workspace carve-outs). */
+enum { IA_TRACE_POOL_GRAPH = IA_POOL_COUNT };
 /* Devices the plugin serves: indices 0 to IA_MAX_DEVICES - 1. General requests of up to
  * IA_SMALL_REQUEST bytes go to the small pool, larger ones to the large pool. */
 enum { IA_MAX_DEVICES = 64, IA_SMALL_REQUEST = 1 << 20 };
@@ -411,11 +425,18 @@ ia_device_totals_t ia_plugin_device_totals(int device);
 void ia_plugin_device_stats(int device, ia_stats_t *out);
 void ia_plugin_torch_stats(int device, ia_torch_stats_t *out);
 void ia_plugin_reset_peaks(int device);
+/* torch.cuda.reset_accumulated_memory_stats(): ia_plugin_torch_stats's allocated and freed sums and
+ * its counters count from now (currents and peaks are untouched), as PyTorch's do. */
+void ia_plugin_reset_accumulated(int device);
 uint64_t ia_plugin_ooms(void);
 uint64_t ia_plugin_retries(void);
 ia_status_t ia_plugin_trace_start(size_t capacity);
+/* Every event of every arena of the plugin, graph pools' included, also goes to `sink` (NULL:
+ * stop); the ring, if ia_plugin_trace_start made one, records as before. */
+ia_status_t ia_plugin_trace_sink(ia_trace_sink_t sink, void *ctx);
 ia_trace_t *ia_plugin_trace(void);
 bool ia_plugin_write_report(const char *path);
+
 
 /* Workspace scope: the MemPool's one large segment, the budget rounded up the way PyTorch rounds
  * a segment (2 MiB steps, 20 MiB at least). The arena holds it and one small-block segment
@@ -467,6 +488,39 @@ size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap);
 /* ia_arena_check over every arena of the pool. */
 bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len);
 
+/* A torch.cuda.MemPool's own allocator (vLLM's sleep mode, NCCL's symmetric memory): the pool's
+ * regions are reserved with alloc (NULL: out of memory) and given back with free, as PyTorch's
+ * allocator asks such a pool's allocator for its segments. drop(ctx), if set, once the pool is
+ * gone and holds nothing. Set before the pool first allocates. */
+typedef struct ia_pool_allocator {
+  void *(*alloc)(void *ctx, size_t size, int device, void *stream);
+  void (*free)(void *ctx, void *ptr, size_t size, int device, void *stream);
+  void (*drop)(void *ctx);
+  void *ctx;
+} ia_pool_allocator_t;
+ia_status_t ia_graph_set_allocator(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
+/* MemPool(no_split=True), set before the pool first allocates: its arenas split no block. */
+ia_status_t ia_graph_set_no_split(int device, ia_pool_id_t id);
+/* MemPool(use_on_oom=True): an eager request the general pools cannot serve takes a free block of
+ * the pool's arena of the same stream, if one fits, instead of failing (while the pool is held). */
+ia_status_t ia_graph_set_use_on_oom(int device, ia_pool_id_t id, bool use_on_oom);
+
+/* A segment of a device's memory as PyTorch's memory snapshot lists one: a region of one of its
+ * arenas (the workspace arena, a general pool, or a graph pool's small or large arena). */
+typedef struct ia_segment_info {
+  uintptr_t address;
+  uint64_t size;
+  ia_stream_t stream;  /* its first block's */
+  int32_t pool;        /* IA_POOL_*, or IA_TRACE_POOL_GRAPH + 0 (small) or + 1 (large) */
+  bool expandable;     /* a mapped stretch of a page-mapping pool */
+  ia_pool_id_t graph_pool; /* a graph pool's id, else 0, 0 */
+} ia_segment_info_t;
+/* Calls fn once per segment of the device with its blocks in address order, while their arena
+ * lists them (fn must not call into the allocator). */
+typedef void (*ia_segment_fn)(void *ctx, const ia_segment_info_t *segment, const ia_block_info_t *blocks,
+                              size_t n_blocks);
+void ia_plugin_segments(int device, ia_segment_fn fn, void *ctx);
+
 /* What the process-scope allocator (csrc/torch_allocator.cpp, built against the installed torch)
  * calls. A failed allocation never returns: it raises through raise_oom. Streams are
  * cudaStream_t. graph_pool NULL: an eager allocation. A free finds its arena by address. */
@@ -475,6 +529,7 @@ void ia_torch_free(void *ptr);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
 void ia_torch_memory_fraction(double fraction, int device);
+double ia_torch_get_memory_fraction(int device); /* the last fraction set, 1.0 before any */
 /* torch's enablePeerAccess(dev, dev_to_access): the pages of dev_to_access's mapped general pools,
  * mapped now or later, become reachable from dev (regions need nothing: cudaDeviceEnablePeerAccess
  * covers them). Remembered for a device whose pools do not exist yet. */
@@ -487,6 +542,14 @@ typedef struct ia_torch_entry_points {
   void (*record_stream)(void *ptr, void *stream);
   void (*empty_cache)(void);
   void (*memory_fraction)(double fraction, int device);
+  double (*get_memory_fraction)(int device);
+  void (*reset_accumulated)(int device);
+  void (*segments)(int device, ia_segment_fn fn, void *ctx);
+  ia_status_t (*trace_sink)(ia_trace_sink_t sink, void *ctx);
+  bool (*device_expandable)(int device);
+  ia_status_t (*graph_set_allocator)(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
+  ia_status_t (*graph_set_no_split)(int device, ia_pool_id_t id);
+  ia_status_t (*graph_set_use_on_oom)(int device, ia_pool_id_t id, bool use_on_oom);
   ia_status_t (*graph_begin)(int device, ia_pool_id_t id);
   ia_status_t (*graph_end)(int device, ia_pool_id_t id);
   ia_status_t (*graph_incref)(int device, ia_pool_id_t id);

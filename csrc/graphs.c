@@ -37,9 +37,19 @@ struct graph_pool {
   ia_pool_id_t id;
   int use_count;  /* graphs and MemPools holding it */
   int allocating; /* begun, not ended */
+  int kept_by;    /* pools whose captures freed one of its blocks (below) */
+  /* A MemPool's options: its own allocator (its regions come from it; allocator.drop when the
+   * pool goes), no_split (a block takes its free block whole), use_on_oom (an eager request that
+   * finds no memory may take one of its free blocks). */
+  ia_pool_allocator_t allocator;
+  bool no_split, use_on_oom;
   _ia_owner_t owner;
   pool_stream_t *streams;
   size_t n_streams, cap_streams;
+  /* Other pools whose blocks were freed while this pool captured: the graph may still read and
+   * write those addresses at replay, so their memory stays until this pool's graphs are gone. */
+  graph_pool_t **keeps;
+  size_t n_keeps, cap_keeps;
   graph_pool_t *next;
 };
 
@@ -101,18 +111,65 @@ static uint64_t pool_capacity(const graph_pool_t *p) {
   return total;
 }
 
-/* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock. */
-static void trim_released(struct device_graphs *g, graph_pool_t *p) {
-  if (p->use_count > 0 || p->allocating > 0) return;
-  if (atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return;
+/* Once a pool's graphs are gone, the pools it kept are no longer in use on its account. */
+static void drop_keeps(graph_pool_t *p) {
+  for (size_t i = 0; i < p->n_keeps; i++) p->keeps[i]->kept_by--;
+  free(p->keeps);
+  p->keeps = NULL;
+  p->n_keeps = p->cap_keeps = 0;
+}
+
+/* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock.
+ * Returns whether it dropped keeps, which may let other pools go too. */
+static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
+  if (p->use_count > 0 || p->allocating > 0) return false;
+  bool dropped = p->n_keeps > 0;
+  drop_keeps(p);
+  if (p->kept_by > 0 || atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return dropped;
   FOR_EACH_ARENA(p, k, a) ia_arena_release_cached(a);
-  if (pool_capacity(p)) return;
+  if (pool_capacity(p)) return dropped;
   graph_pool_t **link = &g->pools;
   while (*link != p) link = &(*link)->next;
   *link = p->next;
   FOR_EACH_ARENA(p, k, a) ia_arena_destroy(a);
+  if (p->allocator.drop) p->allocator.drop(p->allocator.ctx);
   free(p->streams);
   free(p);
+  return dropped;
+}
+
+/* Trims `p` (NULL: every pool), then every pool again for as long as a trim drops keeps. */
+static void trim_released(struct device_graphs *g, graph_pool_t *p) {
+  bool again = p ? trim_one(g, p) : true;
+  while (again) {
+    again = false;
+    for (graph_pool_t *q = g->pools, *next; q; q = next) {
+      next = q->next;
+      again |= trim_one(g, q);
+    }
+  }
+}
+
+/* A block of pool `owner` freed while pools of its device allocate to them (a capture, a MemPool
+ * in use): each of those pools keeps `owner` for as long as it lives, since what it captured may
+ * use the freed block (a tensor rebound inside the capture). PyTorch's allocator keeps such memory
+ * only until the next empty_cache(); after it, a replay would touch memory given back. */
+static void keep_for_allocating_pools(struct device_graphs *g, graph_pool_t *owner) {
+  for (graph_pool_t *p = g->pools; p; p = p->next) {
+    if (p == owner || p->allocating == 0) continue;
+    bool kept = false;
+    for (size_t i = 0; i < p->n_keeps && !kept; i++) kept = p->keeps[i] == owner;
+    if (kept) continue;
+    if (p->n_keeps == p->cap_keeps) {
+      size_t cap = p->cap_keeps ? p->cap_keeps * 2 : 4;
+      graph_pool_t **grown = realloc(p->keeps, cap * sizeof *grown);
+      if (!grown) continue; /* not kept: the pool is then no safer than under PyTorch's allocator */
+      p->keeps = grown;
+      p->cap_keeps = cap;
+    }
+    p->keeps[p->n_keeps++] = owner;
+    owner->kept_by++;
+  }
 }
 
 static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int use_delta, bool create) {
@@ -176,6 +233,58 @@ int ia_graph_use_count(int device, ia_pool_id_t id) {
   return n;
 }
 
+/* Sets what `set` does to the pool (made if new); with before_use, only before it has allocated. */
+static ia_status_t configure(int device, ia_pool_id_t id, void (*set)(graph_pool_t *p, const void *arg),
+                             const void *arg, bool before_use) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g || !_ia_plugin_totals(device)) return IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_or_create(g, device, id);
+  ia_status_t st = !p ? IA_ERR_NO_HOST_MEMORY : before_use && p->n_streams ? IA_ERR_INVALID_ARGUMENT : IA_OK;
+  if (st == IA_OK) set(p, arg);
+  pthread_mutex_unlock(&g->lock);
+  return st;
+}
+
+static void set_allocator(graph_pool_t *p, const void *allocator) {
+  if (p->allocator.drop) p->allocator.drop(p->allocator.ctx);
+  p->allocator = *(const ia_pool_allocator_t *)allocator;
+}
+static void set_no_split(graph_pool_t *p, const void *on) { p->no_split = *(const bool *)on; }
+static void set_use_on_oom(graph_pool_t *p, const void *on) { p->use_on_oom = *(const bool *)on; }
+
+ia_status_t ia_graph_set_allocator(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator) {
+  return allocator && allocator->alloc && allocator->free ? configure(device, id, set_allocator, allocator, true)
+                                                          : IA_ERR_INVALID_ARGUMENT;
+}
+ia_status_t ia_graph_set_no_split(int device, ia_pool_id_t id) {
+  bool on = true;
+  return configure(device, id, set_no_split, &on, true);
+}
+ia_status_t ia_graph_set_use_on_oom(int device, ia_pool_id_t id, bool use_on_oom) {
+  return configure(device, id, set_use_on_oom, &use_on_oom, false);
+}
+
+const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *p, bool *no_split) {
+  *no_split = p->no_split;
+  return p->allocator.alloc ? &p->allocator : NULL;
+}
+
+void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind) {
+  struct device_graphs *g = graphs_of(device);
+  void *out = NULL;
+  if (!g) return NULL;
+  pthread_mutex_lock(&g->lock);
+  for (graph_pool_t *p = g->pools; p && !out; p = p->next) {
+    if (!p->use_on_oom || p->use_count <= 0) continue;
+    for (size_t i = 0; i < p->n_streams && !out; i++)
+      if (p->streams[i].stream == stream && p->streams[i].arenas[kind])
+        ia_arena_alloc_cached(p->streams[i].arenas[kind], size, stream, &out);
+  }
+  pthread_mutex_unlock(&g->lock);
+  return out;
+}
+
 int ia_graph_captures(int device) {
   ia_totals_t *t = _ia_plugin_totals(device);
   return t ? atomic_load(&t->captures) : 0;
@@ -220,10 +329,15 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   ia_stream_t stream;
   uint32_t others;
   if (!_ia_arena_live_block(arena, ptr, &stream, &others)) return false; /* the free reports it */
+  struct device_graphs *g = graphs_of(device);
+  if (owner->graph_pool) {
+    pthread_mutex_lock(&g->lock);
+    keep_for_allocating_pools(g, owner->graph_pool);
+    pthread_mutex_unlock(&g->lock);
+  }
   /* A pool's arena serves its own stream only, so a block freed on it needs no event; an eager
    * arena's block of a capturing stream would. Other streams recorded on a block always do. */
   if (!others && (owner->graph_pool || !_ia_arena_stream_capturing(arena, stream))) return false;
-  struct device_graphs *g = graphs_of(device);
   pthread_mutex_lock(&g->lock);
   bool held = atomic_load(&_ia_plugin_totals(device)->captures) > 0;
   if (held && g->n_held == g->cap_held) {
@@ -262,10 +376,7 @@ void _ia_graph_flush_arenas(int device) {
   struct device_graphs *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
-  for (graph_pool_t *p = g->pools, *next; p; p = next) {
-    next = p->next;
-    trim_released(g, p);
-  }
+  trim_released(g, NULL);
   pthread_mutex_unlock(&g->lock);
 }
 
@@ -428,12 +539,22 @@ static void flush_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
 
 void _ia_graph_pools_flush_events(int device) { _ia_graph_each_arena(device, flush_one, NULL); }
 
-static void add_one(void *sum, ia_pool_id_t id, int kind, ia_arena_t *arena) {
+typedef struct {
+  int kind;
+  ia_stats_t *sum;
+} adding_t;
+
+static void add_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
   (void)id;
+  adding_t *adding = ctx;
   if (kind == GRAPH_WORKSPACE) return; /* its bytes are the workspace arena's */
+  if (adding->kind >= 0 && kind != adding->kind) return;
   ia_stats_t s;
   ia_arena_stats(arena, &s);
-  _ia_stats_add(sum, &s);
+  _ia_stats_add(adding->sum, &s);
 }
 
-void _ia_graph_add_stats(int device, ia_stats_t *sum) { _ia_graph_each_arena(device, add_one, sum); }
+void _ia_graph_add_stats(int device, int kind, ia_stats_t *sum) {
+  adding_t adding = {kind, sum};
+  _ia_graph_each_arena(device, add_one, &adding);
+}

@@ -131,6 +131,8 @@ ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
   return IA_OK;
 }
 
+static ia_trace_t *recording(ia_trace_t *t) { return t && ia_trace_recording(t) ? t : NULL; }
+
 static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
   _ia_device_slot_t *slot = &_ia_plugin.devices[device];
   ia_totals_t *totals = &slot->totals;
@@ -143,7 +145,7 @@ static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **o
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   if (st == IA_OK) _ia_arena_set_totals(*out, totals);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, &_ia_plugin.devices[device].owner);
-  if (st == IA_OK && _ia_plugin.trace) ia_arena_set_trace(*out, _ia_plugin.trace, device, (uint8_t)pool);
+  if (st == IA_OK) ia_arena_set_trace(*out, recording(_ia_plugin.trace), device, (uint8_t)pool);
   return st;
 }
 
@@ -306,7 +308,7 @@ void ia_plugin_device_stats(int device, ia_stats_t *out) {
     ia_arena_stats(a, &s);
     _ia_stats_add(out, &s);
   }
-  _ia_graph_add_stats(device, out);
+  _ia_graph_add_stats(device, -1, out);
   ia_totals_t *t = &_ia_plugin.devices[device].totals;
   exact(&out->in_use, &t->in_use);
   exact(&out->requested, &t->requested);
@@ -332,6 +334,9 @@ void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
   ia_plugin_device_stats(device, &all);
   if (ia_plugin_arena(device, IA_POOL_SMALL)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_SMALL), &small);
   if (ia_plugin_arena(device, IA_POOL_LARGE)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_LARGE), &large);
+  /* As PyTorch counts a private pool's blocks in its small or large pool's statistics. */
+  _ia_graph_add_stats(device, GRAPH_SMALL, &small);
+  _ia_graph_add_stats(device, GRAPH_LARGE, &large);
 #define FILL(name, torch, doc)                                                                      \
   out->torch[IA_KIND_ALL] = all.name;                                                               \
   out->torch[IA_KIND_SMALL] = small.name;                                                           \
@@ -342,6 +347,33 @@ void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
   out->num_ooms = (int64_t)ia_plugin_ooms();
   out->num_device_alloc = (int64_t)all.backend_reserves;
   out->num_device_free = (int64_t)all.backend_releases;
+  if (!_ia_device_ready(device)) return;
+  pthread_mutex_lock(&_ia_plugin.lock);
+  const ia_torch_stats_t *base = &_ia_plugin.devices[device].accumulated_base;
+#define SINCE_RESET(name, torch, doc)                                                               \
+  for (int k = 0; k < IA_KIND_COUNT; k++) {                                                         \
+    out->torch[k].allocated -= base->torch[k].allocated;                                           \
+    out->torch[k].freed -= base->torch[k].freed;                                                   \
+  }
+  IA_STAT_QUADS(SINCE_RESET)
+#undef SINCE_RESET
+  out->num_alloc_retries -= base->num_alloc_retries;
+  out->num_ooms -= base->num_ooms;
+  out->num_device_alloc -= base->num_device_alloc;
+  out->num_device_free -= base->num_device_free;
+  pthread_mutex_unlock(&_ia_plugin.lock);
+}
+
+void ia_plugin_reset_accumulated(int device) {
+  if (!_ia_device_ready(device)) return;
+  ia_torch_stats_t now;
+  pthread_mutex_lock(&_ia_plugin.lock);
+  memset(&_ia_plugin.devices[device].accumulated_base, 0, sizeof now);
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  ia_plugin_torch_stats(device, &now); /* the counters since the beginning */
+  pthread_mutex_lock(&_ia_plugin.lock);
+  _ia_plugin.devices[device].accumulated_base = now;
+  pthread_mutex_unlock(&_ia_plugin.lock);
 }
 
 void ia_plugin_reset_peaks(int device) {
@@ -356,16 +388,62 @@ uint64_t ia_plugin_retries(void) { return atomic_load(&_ia_plugin.retries); }
 
 /* ---- tracing ---------------------------------------------------------------------------------- */
 
+typedef struct {
+  ia_trace_t *trace;
+  int device;
+} trace_target_t;
+
+static void trace_graph_arena(void *target, ia_pool_id_t id, int kind, ia_arena_t *arena) {
+  (void)id;
+  trace_target_t *t = target;
+  ia_arena_set_trace(arena, t->trace, t->device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
+}
+
+/* Every arena of every device records into the plugin's traces while they record (else none, so
+ * that an arena nobody listens to pays nothing). Under the plugin's lock. */
+static void trace_every_arena(void) {
+  for (int d = 0; d < IA_MAX_DEVICES; d++) {
+    if (atomic_load(&_ia_plugin.devices[d].ready) != 1) continue;
+    for (int p = 0; p < IA_POOL_COUNT; p++)
+      if (ia_plugin_arena(d, p))
+        ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], recording(_ia_plugin.trace), d, (uint8_t)p);
+    trace_target_t target = {recording(_ia_plugin.graph_trace), d};
+    _ia_graph_each_arena(d, trace_graph_arena, &target);
+  }
+}
+
+/* The plugin's traces, made on first use (the eager arenas' with a ring of `capacity` events, at
+ * least one), their ring off and no sink until the callers set them. Under the plugin's lock. */
+static ia_status_t plugin_traces(size_t capacity) {
+  ia_status_t st = IA_OK;
+  /* A ring made for the sink alone (capacity 0) takes the first capacity a ring is started with. */
+  if (_ia_plugin.trace && capacity && !_ia_plugin.ring_sized) st = _ia_trace_resize(_ia_plugin.trace, capacity);
+  if (!_ia_plugin.trace && (st = ia_trace_create(capacity ? capacity : 1, &_ia_plugin.trace)) == IA_OK)
+    ia_trace_set_enabled(_ia_plugin.trace, false);
+  if (st == IA_OK && capacity) _ia_plugin.ring_sized = true;
+  if (st == IA_OK && !_ia_plugin.graph_trace && (st = ia_trace_create(1, &_ia_plugin.graph_trace)) == IA_OK)
+    ia_trace_set_enabled(_ia_plugin.graph_trace, false);
+  return st;
+}
+
 ia_status_t ia_plugin_trace_start(size_t capacity) {
   pthread_mutex_lock(&_ia_plugin.lock);
-  ia_status_t st = IA_OK;
-  if (!_ia_plugin.trace) st = ia_trace_create(capacity, &_ia_plugin.trace);
+  ia_status_t st = plugin_traces(capacity);
   if (st == IA_OK) {
     ia_trace_set_enabled(_ia_plugin.trace, true);
-    for (int d = 0; d < IA_MAX_DEVICES; d++)
-      if (atomic_load(&_ia_plugin.devices[d].ready) == 1)
-        for (int p = 0; p < IA_POOL_COUNT; p++)
-          if (ia_plugin_arena(d, p)) ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], _ia_plugin.trace, d, (uint8_t)p);
+    trace_every_arena();
+  }
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  return st;
+}
+
+ia_status_t ia_plugin_trace_sink(ia_trace_sink_t sink, void *ctx) {
+  pthread_mutex_lock(&_ia_plugin.lock);
+  ia_status_t st = sink ? plugin_traces(0) : IA_OK;
+  if (st == IA_OK && _ia_plugin.trace) {
+    ia_trace_set_sink(_ia_plugin.trace, sink, ctx);
+    ia_trace_set_sink(_ia_plugin.graph_trace, sink, ctx);
+    trace_every_arena();
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
@@ -401,12 +479,17 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
     o.region_round = 2 * MiB;
     o.region_min = kind == GRAPH_SMALL ? 2 * MiB : 20 * MiB;
     o.region_exact_above = kind == GRAPH_SMALL ? SIZE_MAX : 10 * MiB;
+    const ia_pool_allocator_t *own = _ia_graph_pool_options(owner->graph_pool, &o.no_split);
+    if (own) st = _ia_pool_backend_create(own, device, stream, backend, &backend);
   }
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   /* A carve-out's bytes are already counted by the workspace arena it comes from. */
   if (st == IA_OK && kind != GRAPH_WORKSPACE) _ia_arena_set_totals(*out, &slot->totals);
   if (st == IA_OK && kind == GRAPH_WORKSPACE) _ia_arena_watch_captures(*out, &slot->totals.captures);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
+  /* Under the graph pools' lock, which trace_every_arena also takes after setting the sink. */
+  if (st == IA_OK && recording(_ia_plugin.graph_trace))
+    ia_arena_set_trace(*out, _ia_plugin.graph_trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
   return st;
 }
 

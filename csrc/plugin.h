@@ -22,13 +22,23 @@ typedef struct {
   _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
   _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment (a
                                     * value set once by compare-and-swap; it publishes nothing) */
+  /* Under _ia_plugin.lock: torch.cuda.set_per_process_memory_fraction's last value (totals.limit
+   * holds the bytes it allows) and whether one was set, and the accumulated counters as they
+   * were at torch.cuda.reset_accumulated_memory_stats(), which PyTorch's figures start from. */
+  double fraction;
+  bool fraction_set;
+  ia_torch_stats_t accumulated_base;
 } _ia_device_slot_t;
 
 typedef struct {
   pthread_mutex_t lock; /* guards configuration and device creation */
   bool configured;
   ia_plugin_config_t config; /* its strings are plugin.c's own copies */
-  ia_trace_t *trace; /* under the lock (arenas get it through ia_arena_set_trace's release) */
+  /* The traces are made and read under the lock; arenas get them through ia_arena_set_trace's
+   * release store. */
+  ia_trace_t *trace;       /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */
+  ia_trace_t *graph_trace; /* the graph pools' arenas': the sink alone, their events kept out of the ring */
+  bool ring_sized;         /* trace's ring was made or resized with the capacity a start asked for */
   _ia_device_slot_t devices[IA_MAX_DEVICES];
   _Atomic uint64_t ooms, retries; /* counts, relaxed enough */
 } _ia_plugin_t;

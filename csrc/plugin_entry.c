@@ -53,6 +53,10 @@ void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *
       atomic_fetch_add(&_ia_plugin.retries, 1);
       st = ia_arena_alloc(slot->arenas[pool], size, (ia_stream_t)stream, &p);
     }
+    /* Last, as PyTorch: the free blocks of MemPools made with use_on_oom. */
+    if (st != IA_OK && (p = _ia_graph_alloc_on_oom(device, size, (ia_stream_t)stream,
+                                                   pool == IA_POOL_SMALL ? GRAPH_SMALL : GRAPH_LARGE)))
+      st = IA_OK;
   }
   if (st != IA_OK) _ia_fail_alloc(device, pool, size, st);
   return p;
@@ -83,7 +87,22 @@ void ia_torch_memory_fraction(double fraction, int device) {
   _ia_device_slot_t *slot = _ia_device_slot(device, &st);
   size_t free_bytes, total;
   if (!slot || ia_cuda_mem_info(device, &free_bytes, &total) != IA_OK) return;
-  atomic_store(&slot->totals.limit, (uint64_t)(fraction * (double)total));
+  pthread_mutex_lock(&_ia_plugin.lock);
+  slot->fraction = fraction;
+  slot->fraction_set = true;
+  /* As PyTorch: 1.0 lifts the limit; 0.0 allows nothing (a limit of 0 would mean none). */
+  uint64_t allowed = (uint64_t)(fraction * (double)total);
+  atomic_store(&slot->totals.limit, fraction >= 1.0 ? 0 : allowed ? allowed : 1);
+  pthread_mutex_unlock(&_ia_plugin.lock);
+}
+
+double ia_torch_get_memory_fraction(int device) {
+  if (device < 0 || device >= IA_MAX_DEVICES) return 1.0;
+  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
+  pthread_mutex_lock(&_ia_plugin.lock);
+  double fraction = slot->fraction_set ? slot->fraction : 1.0;
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  return fraction;
 }
 
 ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access) {
@@ -111,6 +130,14 @@ static const ia_torch_entry_points_t entry_points = {
     .record_stream = ia_torch_record_stream,
     .empty_cache = ia_torch_empty_cache,
     .memory_fraction = ia_torch_memory_fraction,
+    .get_memory_fraction = ia_torch_get_memory_fraction,
+    .reset_accumulated = ia_plugin_reset_accumulated,
+    .segments = ia_plugin_segments,
+    .trace_sink = ia_plugin_trace_sink,
+    .device_expandable = ia_plugin_device_expandable,
+    .graph_set_allocator = ia_graph_set_allocator,
+    .graph_set_no_split = ia_graph_set_no_split,
+    .graph_set_use_on_oom = ia_graph_set_use_on_oom,
     .graph_begin = ia_graph_begin,
     .graph_end = ia_graph_end,
     .graph_incref = ia_graph_incref,

@@ -40,6 +40,38 @@ static void report_hint(char *buf, size_t len) {
            _ia_plugin.config.oom_report_path);
 }
 
+/* A byte count as PyTorch's allocator writes it in its messages (bytes, KiB, MiB, then GiB only),
+ * so that what searches logs for PyTorch's words finds these too. */
+static const char *torch_size(uint64_t size, char *buf, size_t len) {
+  if (size <= 1024) snprintf(buf, len, "%" PRIu64 " bytes", size);
+  else if (size <= 1048576) snprintf(buf, len, "%.2f KiB", (double)size / 1024.0);
+  else if (size <= 1073741824ull) snprintf(buf, len, "%.2f MiB", (double)size / 1048576.0);
+  else snprintf(buf, len, "%.2f GiB", (double)size / 1073741824.0);
+  return buf;
+}
+
+/* The opening PyTorch's allocator gives its out-of-memory errors, with this device's figures, then
+ * "indexer-arena: " and the arena's own account. */
+static void torch_words(int device, size_t size, char *buf, size_t len) {
+  char req[32], total_s[32], free_s[32], allowed[64] = "", used[32], idle[32];
+  size_t free_bytes, total;
+  if (device < 0 || device >= IA_MAX_DEVICES || ia_cuda_mem_info(device, &free_bytes, &total) != IA_OK) {
+    snprintf(buf, len, "CUDA out of memory. Tried to allocate %s. indexer-arena: ", torch_size(size, req, sizeof req));
+    return;
+  }
+  ia_device_totals_t t = ia_plugin_device_totals(device);
+  uint64_t limit = atomic_load(&_ia_plugin.devices[device].totals.limit);
+  if (limit) snprintf(allowed, sizeof allowed, "%s allowed; ", torch_size(limit, used, sizeof used));
+  uint64_t in_use = (uint64_t)t.in_use.current, held = (uint64_t)t.capacity.current;
+  snprintf(buf, len,
+           "CUDA out of memory. Tried to allocate %s. GPU %d has a total capacity of %s of which %s is free. %sOf "
+           "the allocated memory %s is allocated by PyTorch, and %s is reserved by PyTorch but unallocated. "
+           "indexer-arena: ",
+           torch_size(size, req, sizeof req), device, torch_size(total, total_s, sizeof total_s),
+           torch_size(free_bytes, free_s, sizeof free_s), allowed, torch_size(in_use, used, sizeof used),
+           torch_size(held > in_use ? held - in_use : 0, idle, sizeof idle));
+}
+
 /* Bytes the device's CUDA graph pools hold: of one pool, or of all (NULL). */
 static uint64_t graph_pools_held(int device, const ia_pool_id_t *id) {
   ia_graph_pool_info_t info[64];
@@ -62,11 +94,11 @@ static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
 }
 
 __attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size, ia_status_t st) {
-  char message[2048], req[32], state[256], hint[512], budget[32], graphs[32];
+  char message[3072], opening[512], req[32], state[256], hint[512], budget[32], graphs[32];
   _ia_format_bytes(size, req, sizeof req);
+  torch_words(device, size, opening, sizeof opening);
   if (pool < 0) {
-    snprintf(message, sizeof message, "CUDA out of memory on device %d: cannot allocate %s: %s", device,
-             req, _ia_failure);
+    snprintf(message, sizeof message, "%sdevice %d cannot allocate %s: %s", opening, device, req, _ia_failure);
     _ia_raise_oom(message);
   }
   ia_arena_t *a = _ia_plugin.devices[device].arenas[pool];
@@ -74,10 +106,10 @@ __attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size,
   report_hint(hint, sizeof hint);
   if (pool == IA_POOL_WORKSPACE) {
     snprintf(message, sizeof message,
-             "CUDA out of memory on device %d: workspace request of %s (%zu bytes) does not fit the "
+             "%sworkspace request of %s (%zu bytes) on device %d does not fit the "
              "workspace arena (budget %s; it %s). The workspace arena never grows: raise budget_mb in "
              "INDEXER_ARENA_CONF (or VLLM_SPARSE_INDEXER_MAX_LOGITS_MB), or plan smaller pieces.%s",
-             device, req, size, _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget), state, hint);
+             opening, req, size, device, _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget), state, hint);
   } else {
     char why[640], range[32];
     ia_region_info_t r;
@@ -87,11 +119,11 @@ __attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size,
     else
       growth_refusal(st, device, why, sizeof why);
     snprintf(message, sizeof message,
-             "CUDA out of memory on device %d: request of %s (%zu bytes) for the general %s pool "
+             "%srequest of %s (%zu bytes) on device %d for the general %s pool "
              "(it %s; the workspace arena holds a further %s, CUDA graph pools %s).%s Free tensors or "
              "call torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
              "device more room.%s",
-             device, req, size, ia_plugin_pool_name(pool), state,
+             opening, req, size, device, ia_plugin_pool_name(pool), state,
              ia_plugin_arena(device, IA_POOL_WORKSPACE) ? _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget)
                                                         : "nothing (not reserved yet)",
              _ia_format_bytes(graph_pools_held(device, NULL), graphs, sizeof graphs), why, hint);
@@ -101,8 +133,9 @@ __attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size,
 
 __attribute__((noinline)) void _ia_fail_graph_alloc(int device, ia_pool_id_t id, int kind, size_t size,
                                                        ia_status_t st) {
-  char message[2048], req[32], held[32], budget[32], state[256] = "", why[640], hint[512];
+  char message[3072], opening[512], req[32], held[32], budget[32], state[256] = "", why[640], hint[512];
   _ia_format_bytes(size, req, sizeof req);
+  torch_words(device, size, opening, sizeof opening);
   if (st == IA_ERR_INVALID_ARGUMENT) snprintf(why, sizeof why, " %.600s.", _ia_failure[0] ? _ia_failure :
                                               "PyTorch is not allocating to that pool now");
   else growth_refusal(st, device, why, sizeof why);
@@ -111,19 +144,19 @@ __attribute__((noinline)) void _ia_fail_graph_alloc(int device, ia_pool_id_t id,
     ia_arena_t *ws = ia_plugin_arena(device, IA_POOL_WORKSPACE);
     if (ws) describe_arena(ws, state, sizeof state);
     snprintf(message, sizeof message,
-             "CUDA out of memory on device %d: workspace request of %s while capturing into CUDA graph "
+             "%sworkspace request of %s on device %d while capturing into CUDA graph "
              "pool (%" PRIu64 ", %" PRIu64 ") does not fit the workspace arena (budget %s; it %s). "
              "A graph keeps the workspace blocks it allocates until it is released: raise budget_mb in "
              "INDEXER_ARENA_CONF, or capture smaller pieces.%s",
-             device, req, id.first, id.second, _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget),
+             opening, req, device, id.first, id.second, _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget),
              state, hint);
   } else {
     snprintf(message, sizeof message,
-             "CUDA out of memory on device %d: request of %s (%zu bytes) for CUDA graph pool (%" PRIu64 ", %" PRIu64
+             "%srequest of %s (%zu bytes) on device %d for CUDA graph pool (%" PRIu64 ", %" PRIu64
              "), which holds %s.%s A graph keeps what it allocates during capture until it is released: free "
              "eager tensors and call torch.cuda.empty_cache() before capturing, or lower budget_mb in "
              "INDEXER_ARENA_CONF.%s",
-             device, req, size, id.first, id.second,
+             opening, req, size, device, id.first, id.second,
              _ia_format_bytes(graph_pools_held(device, &id), held, sizeof held), why, hint);
   }
   _ia_raise_oom(message);

@@ -8,10 +8,14 @@
 //   - allocation and free without the map: the core finds a block's arena by address;
 //   - graph pools: begin/end/release, the capture filters PyTorch hands over, pool use counts;
 //   - CUDA graph trees: live-allocation checks and checkpoints of a pool;
-//   - getDeviceStats, PyTorch's statistics as the core fills them.
+//   - getDeviceStats, PyTorch's statistics as the core fills them;
+//   - PyTorch's memory tools: snapshot() from the core's segments and blocks, recordHistory()
+//     from the core's trace events (its sink) with the stacks PyTorch's recorder gathers here,
+//     the profiler's memory events, out-of-memory observers.
 // It is compiled against the installed torch on first use (alloc/shims.py) and installed with
 // torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator.
 #include <stddef.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -20,9 +24,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <c10/core/Allocator.h>
+#include <c10/util/ApproximateClock.h>
+
+#include <algorithm>
 #include <atomic>
+#include <deque>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 extern "C" {
@@ -33,12 +43,173 @@ namespace {
 
 using c10::cuda::MempoolId_t;
 namespace cca = c10::cuda::CUDACachingAllocator;
+namespace cda = c10::CachingDeviceAllocator;
+using Context = std::shared_ptr<c10::GatheredContext>;
 
 const ia_torch_entry_points_t* core = nullptr;
+constexpr int GRAPH_TAG_WORKSPACE = 2;  // IA_TRACE_POOL_GRAPH + 2: a graph pool's workspace carve-outs
 
 ia_pool_id_t to_id(MempoolId_t id) { return {id.first, id.second}; }
 
-void delete_block(void* ptr) { core->free(ptr); }
+// ---- memory history (torch.cuda.memory._record_memory_history)
+// The core hands every event of every arena to on_event while history is on; the stacks come from
+// PyTorch's recorder, gathered by the thread that allocates or frees before it calls the core
+// (on_event runs under the core's locks, where gathering a Python stack could deadlock).
+struct History {
+  std::mutex mu;
+  std::atomic<bool> on{false};
+  cda::CreateContextFn recorder = nullptr;
+  cda::RecordContext when = cda::RecordContext::NEVER;
+  size_t max_entries = 0;
+  std::vector<bool> skip = std::vector<bool>(cda::TraceEntry::OOM + 1);
+  std::vector<std::deque<cda::TraceEntry>> traces;  // per device, oldest first
+  std::unordered_map<uintptr_t, Context> block_context, segment_context;
+  std::string user_metadata;
+};
+History history;
+thread_local Context op_context;           // the stack of this thread's allocation or free under way
+thread_local MempoolId_t op_pool{0, 0};    // the graph pool it allocates to
+thread_local bool attaching = false;       // the core replays the regions it holds: not history
+
+// Gathers this thread's stack for the operation it starts when history wants one at `level`.
+struct OpScope {
+  explicit OpScope(cda::RecordContext level, MempoolId_t pool = {0, 0}) {
+    op_pool = pool;
+    if (!history.on.load(std::memory_order_relaxed)) return;
+    cda::CreateContextFn recorder;
+    {
+      std::lock_guard<std::mutex> lock(history.mu);
+      recorder = history.when >= level ? history.recorder : nullptr;
+    }
+    if (recorder) op_context = recorder();
+  }
+  ~OpScope() {
+    op_context.reset();
+    op_pool = {0, 0};
+  }
+};
+
+// Under history.mu. PyTorch keeps stacks in the trace from RecordContext::ALLOC up. An entry's
+// metadata is the user's (torch.cuda.memory._set_memory_metadata), else what the memory is when it
+// is not an ordinary tensor's: the workspace arena's, or a CUDA graph pool's.
+void record(cda::TraceEntry::Action action, int device, uintptr_t addr, size_t size, void* stream, Context ctx,
+            MempoolId_t pool, int tag = IA_POOL_SMALL) {
+  if (history.skip[action] || device < 0) return;
+  auto& trace = history.traces.at(device);
+  std::string metadata = history.user_metadata;
+  if (metadata.empty() && (tag == IA_POOL_WORKSPACE || tag == IA_TRACE_POOL_GRAPH + GRAPH_TAG_WORKSPACE))
+    metadata = "indexer-arena workspace";
+  else if (metadata.empty() && tag >= IA_TRACE_POOL_GRAPH)
+    metadata = "indexer-arena CUDA graph pool";
+  trace.emplace_back(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool,
+                     c10::getApproximateTime(), history.when >= cda::RecordContext::ALLOC ? std::move(ctx) : nullptr,
+                     "", std::move(metadata));
+  while (history.max_entries && trace.size() > history.max_entries) trace.pop_front();
+}
+
+void on_event(void*, const ia_trace_event_t* e) {
+  if (attaching) return;
+  std::lock_guard<std::mutex> lock(history.mu);
+  if (!history.on.load(std::memory_order_relaxed) || e->device < 0 ||
+      static_cast<size_t>(e->device) >= history.traces.size())
+    return;
+  void* stream = reinterpret_cast<void*>(e->stream == UINTPTR_MAX ? 0 : e->stream);
+  bool mapped = e->pool < IA_POOL_COUNT && e->pool != IA_POOL_WORKSPACE && core->device_expandable(e->device);
+  using A = cda::TraceEntry;
+  switch (e->action) {
+    case IA_TRACE_ALLOC:
+      if (history.when >= cda::RecordContext::STATE) history.block_context[e->address] = op_context;
+      record(A::ALLOC, e->device, e->address, e->size, stream, op_context, op_pool, e->pool);
+      break;
+    case IA_TRACE_FREE:
+      history.block_context.erase(e->address);
+      record(A::FREE_REQUESTED, e->device, e->address, e->size, stream, op_context, {0, 0}, e->pool);
+      record(A::FREE_COMPLETED, e->device, e->address, e->size, stream, op_context, {0, 0}, e->pool);
+      break;
+    case IA_TRACE_RESERVE:
+      if (history.when >= cda::RecordContext::STATE) history.segment_context[e->address] = op_context;
+      record(mapped ? A::SEGMENT_MAP : A::SEGMENT_ALLOC, e->device, e->address, e->size, stream, op_context, op_pool,
+             e->pool);
+      break;
+    case IA_TRACE_RELEASE:
+      history.segment_context.erase(e->address);
+      record(mapped ? A::SEGMENT_UNMAP : A::SEGMENT_FREE, e->device, e->address, e->size, stream, op_context,
+             {0, 0}, e->pool);
+      break;
+    default:  // a refusal: the out-of-memory entry is recorded where the error is raised
+      break;
+  }
+}
+
+// ---- snapshot (torch.cuda.memory._snapshot)
+struct SnapshotWalk {
+  int device;
+  MempoolId_t only;  // {0, 0}: every pool
+  std::vector<cda::SegmentInfo>* out;
+};
+
+void add_segment(void* ctx, const ia_segment_info_t* seg, const ia_block_info_t* blocks, size_t n) {
+  auto* walk = static_cast<SnapshotWalk*>(ctx);
+  MempoolId_t pool{seg->graph_pool.first, seg->graph_pool.second};
+  if ((walk->only.first || walk->only.second) && pool != walk->only) return;
+  cda::SegmentInfo info;
+  info.device = static_cast<c10::DeviceIndex>(walk->device);
+  info.address = seg->address;
+  info.total_size = seg->size;
+  info.stream = reinterpret_cast<void*>(seg->stream == UINTPTR_MAX ? 0 : seg->stream);
+  info.is_large = !(seg->pool == IA_POOL_SMALL || seg->pool == IA_TRACE_POOL_GRAPH + 0);
+  info.is_expandable = seg->expandable;
+  info.owner_private_pool_id = pool;
+  std::lock_guard<std::mutex> lock(history.mu);
+  auto found = history.segment_context.find(seg->address);
+  if (found != history.segment_context.end()) info.context_when_allocated = found->second;
+  for (size_t i = 0; i < n; i++) {
+    cda::BlockInfo b;
+    b.size = blocks[i].size;
+    b.requested_size = blocks[i].requested;
+    b.allocated = b.active = !blocks[i].is_free;
+    if (b.allocated) {
+      info.allocated_size += b.size;
+      info.active_size += b.size;
+      info.requested_size += b.requested_size;
+      auto ctx_found = history.block_context.find(blocks[i].address);
+      if (ctx_found != history.block_context.end()) b.context_when_allocated = ctx_found->second;
+    }
+    info.blocks.push_back(std::move(b));
+  }
+  walk->out->push_back(std::move(info));
+}
+
+// The bytes of every live block, kept while PyTorch's profiler records memory (the profiler's
+// events carry the size on free too).
+std::mutex profiled_mu;
+std::unordered_map<void*, std::pair<size_t, int>> profiled;  // size, device
+
+void report_to_profiler(void* ptr, int64_t size, int device) {
+  ia_stats_t s;
+  core->device_stats(device, &s);
+  c10::reportMemoryUsageToProfiler(ptr, size, s.in_use.current, s.capacity.current,
+                                   c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+void delete_block(void* ptr) {
+  OpScope scope(cda::RecordContext::ALL);
+  if (c10::memoryProfilingEnabled() && ptr) {
+    std::pair<size_t, int> block{0, 0};
+    {
+      std::lock_guard<std::mutex> lock(profiled_mu);
+      auto found = profiled.find(ptr);
+      if (found != profiled.end()) {
+        block = found->second;
+        profiled.erase(found);
+      }
+    }
+    core->free(ptr);
+    if (block.first) report_to_profiler(ptr, -static_cast<int64_t>(block.first), block.second);
+    return;
+  }
+  core->free(ptr);
+}
 
 void check(ia_status_t st, const char* what, MempoolId_t id) {
   TORCH_CHECK(st == IA_OK, "indexer-arena: ", what, " of CUDA graph pool (", id.first, ", ", id.second,
@@ -59,6 +230,25 @@ std::vector<ia_block_info_t> pool_blocks(c10::DeviceIndex device, MempoolId_t id
       return blocks;
     }
     blocks.resize(n + 16);
+  }
+}
+
+// A MemPool's own allocator, called by the core for the pool's regions (C frames: nothing throws).
+using Held = std::shared_ptr<cca::CUDAAllocator>;
+
+void* pool_alloc(void* ctx, size_t size, int, void* stream) {
+  try {
+    return (*static_cast<Held*>(ctx))->raw_alloc_with_stream(size, static_cast<cudaStream_t>(stream));
+  } catch (const std::exception&) {
+    return nullptr;  // the core reports it as the pool's allocator refusing
+  }
+}
+
+void pool_free(void* ctx, void* ptr, size_t, int, void*) {
+  try {
+    (*static_cast<Held*>(ctx))->raw_delete(ptr);
+  } catch (const std::exception& e) {
+    fprintf(stderr, "indexer-arena: a MemPool's allocator refused to free %p: %s\n", ptr, e.what());
   }
 }
 
@@ -84,22 +274,60 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
   }
 
   void* alloc_on(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    constexpr size_t one_exa_bytes = 1ull << 60;  // PyTorch's own bound, and its words
+    TORCH_CHECK_WITH(OutOfMemoryError, size < one_exa_bytes,
+                     "CUDA out of memory. Tried to allocate more than 1EB memory.");
     if (size == 0) return nullptr;
+    MempoolId_t route{0, 0};
     if (routing_.load(std::memory_order_acquire) > 0) {
-      ia_pool_id_t pool{};
-      bool in_pool = false;
-      {
-        std::lock_guard<std::mutex> lock(routes_mutex_);
-        for (auto& r : routes_)
-          if (r.device == device && r.filter(stream)) {
-            pool = to_id(r.id);
-            in_pool = true;
-            break;
-          }
-      }
-      if (in_pool) return core->alloc(size, device, stream, &pool);
+      std::lock_guard<std::mutex> lock(routes_mutex_);
+      for (auto& r : routes_)
+        if (r.device == device && r.filter(stream)) {
+          route = r.id;
+          break;
+        }
     }
-    return core->alloc(size, device, stream, nullptr);
+    bool in_pool = route.first || route.second;
+    ia_pool_id_t pool = to_id(route);
+    OpScope scope(cda::RecordContext::STATE, route);
+    void* ptr;
+    try {
+      ptr = core->alloc(size, device, stream, in_pool ? &pool : nullptr);
+    } catch (const c10::OutOfMemoryError&) {
+      out_of_memory(device, size, stream, route);
+      throw;
+    }
+    if (c10::memoryProfilingEnabled()) {
+      {
+        std::lock_guard<std::mutex> lock(profiled_mu);
+        profiled[ptr] = {size, device};
+      }
+      report_to_profiler(ptr, static_cast<int64_t>(size), device);
+    }
+    return ptr;
+  }
+
+  // What PyTorch's allocator does when it raises out-of-memory besides the error itself.
+  void out_of_memory(c10::DeviceIndex device, size_t size, cudaStream_t stream, MempoolId_t pool) {
+    size_t device_free = 0, device_total = 0;
+    if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) (void)cudaGetLastError();
+    if (history.on.load()) {
+      std::lock_guard<std::mutex> lock(history.mu);
+      if (static_cast<size_t>(device) < history.traces.size())
+        record(cda::TraceEntry::OOM, device, device_free, size, stream, op_context, pool);
+    }
+    ia_stats_t s;
+    core->device_stats(device, &s);
+    c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), s.in_use.current, s.capacity.current,
+                                     c10::Device(c10::DeviceType::CUDA, device));
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard<std::mutex> lock(routes_mutex_);
+      observers = oom_observers_;
+    }
+    double fraction = core->get_memory_fraction(device);
+    size_t allowed = fraction < 1.0 ? static_cast<size_t>(fraction * static_cast<double>(device_total)) : device_total;
+    for (const auto& observer : observers) observer(device, size, allowed, device_free);
   }
 
   c10::DataPtr allocate(size_t size) override {
@@ -145,11 +373,17 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     check(core->graph_release(device, to_id(id)), "release", id);
   }
 
+  // A MemPool with an allocator of its own: the pool's regions come from that allocator, which
+  // the pool keeps alive until it is gone and holds nothing (tensors may outlive the MemPool).
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
-    TORCH_CHECK(!allocator || allocator.get() == this,
-                "indexer-arena: a torch.cuda.MemPool with an allocator of its own cannot run under the process "
-                "scope, which serves every CUDA allocation itself; install with scope='workspace' instead");
+    if (allocator && allocator.get() != this) {
+      auto* held = new std::shared_ptr<cca::CUDAAllocator>(std::move(allocator));
+      ia_pool_allocator_t own{pool_alloc, pool_free, [](void* ctx) { delete static_cast<Held*>(ctx); }, held};
+      ia_status_t st = core->graph_set_allocator(device, to_id(id), &own);
+      if (st != IA_OK) delete held;
+      check(st, "giving its own allocator to", id);
+    }
     check(core->graph_incref(device, to_id(id)), "creating or holding", id);
   }
 
@@ -157,14 +391,12 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     return core->graph_use_count(device, to_id(id));
   }
 
-  // A MemPool's destructor turns use_on_oom off whatever it was created with.
-  void setUseOnOOM(c10::DeviceIndex, MempoolId_t, bool use_on_oom) override {
-    TORCH_CHECK(!use_on_oom, "indexer-arena: MemPool(use_on_oom=True) is not supported: a pool's memory "
-                             "serves only allocations made inside it");
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t id, bool use_on_oom) override {
+    check(core->graph_set_use_on_oom(device, to_id(id), use_on_oom), "setting use_on_oom of", id);
   }
 
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {
-    TORCH_CHECK(false, "indexer-arena: MemPool(no_split=True) is not supported under the process scope");
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t id) override {
+    check(core->graph_set_no_split(device, to_id(id)), "setting no_split of", id);
   }
 
   // ---- CUDA graph trees
@@ -203,7 +435,66 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     return delta;
   }
 
-  bool isHistoryEnabled() override { return false; }
+  // ---- PyTorch's memory tools
+  bool isHistoryEnabled() override { return history.on.load(); }
+
+  void recordHistory(bool enabled, cda::CreateContextFn context_recorder, size_t alloc_trace_max_entries,
+                     cda::RecordContext when, bool clearHistory, const std::vector<std::string>& skip_actions) override {
+    TORCH_CHECK(when == cda::RecordContext::NEVER || context_recorder,
+                "indexer-arena: recording stacks needs PyTorch's context recorder");
+    {
+      std::lock_guard<std::mutex> lock(history.mu);
+      history.when = enabled ? when : cda::RecordContext::NEVER;
+      history.recorder = enabled ? context_recorder : nullptr;
+      history.max_entries = alloc_trace_max_entries;
+      history.traces.resize(std::max<size_t>(history.traces.size(), c10::cuda::device_count()));
+      std::fill(history.skip.begin(), history.skip.end(), false);
+      for (const auto& name : skip_actions) history.skip.at(cda::parseTraceEntryAction(name)) = true;
+      if (!enabled || clearHistory)
+        for (auto& trace : history.traces) trace.clear();
+      if (!enabled) history.block_context.clear(), history.segment_context.clear();
+      history.on.store(enabled);
+    }
+    attaching = true;  // the core replays its regions to a new sink: they are not history
+    ia_status_t st = core->trace_sink(enabled ? on_event : nullptr, nullptr);
+    attaching = false;
+    TORCH_CHECK(st == IA_OK, "indexer-arena: recording memory history failed: ", core->status_str(st));
+  }
+
+  cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
+    cca::SnapshotInfo out{};  // its configuration's fields zero, not indeterminate
+    int devices = c10::cuda::device_count();
+    for (int d = 0; d < devices; d++) {
+      SnapshotWalk walk{d, mempool_id, &out.segments};
+      core->segments(d, add_segment, &walk);
+    }
+    std::sort(out.segments.begin(), out.segments.end(),
+              [](const auto& a, const auto& b) { return a.address < b.address; });
+    std::lock_guard<std::mutex> lock(history.mu);
+    for (int d = 0; d < devices; d++) {
+      out.device_traces.emplace_back();
+      if (include_traces && static_cast<size_t>(d) < history.traces.size())
+        out.device_traces.back().assign(history.traces[d].begin(), history.traces[d].end());
+    }
+    out.config_metadata.last_allocator_settings = "indexer-arena";
+    return out;
+  }
+
+  void setUserMetadata(const std::string& metadata) override {
+    std::lock_guard<std::mutex> lock(history.mu);
+    history.user_metadata = metadata;
+  }
+  std::string getUserMetadata() override {
+    std::lock_guard<std::mutex> lock(history.mu);
+    return history.user_metadata;
+  }
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(routes_mutex_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override { return core->get_memory_fraction(device); }
 
   // ---- statistics
   // PyTorch's families come filled by the core (ia_plugin_torch_stats: IA_STAT_QUADS names each),
@@ -232,10 +523,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
 
   void resetPeakStats(c10::DeviceIndex device) override { core->reset_peaks(device); }
 
-  void resetAccumulatedStats(c10::DeviceIndex) override {
-    TORCH_CHECK(false, "indexer-arena keeps its accumulated counters for the life of the process: take "
-                       "differences of torch.cuda.memory_stats() instead of resetting them");
-  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override { core->reset_accumulated(device); }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
     ia_stats_t s;
@@ -249,8 +537,9 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     MempoolId_t id;
     std::function<bool(cudaStream_t)> filter;
   };
-  std::mutex routes_mutex_;
+  std::mutex routes_mutex_;  // and oom_observers_
   std::vector<Route> routes_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
   std::atomic<int> routing_{0};
 };
 

@@ -12,7 +12,9 @@
 
 struct ia_trace {
   pthread_mutex_t lock;
-  bool enabled;
+  bool enabled;             /* events go into the ring */
+  ia_trace_sink_t sink;     /* and to the sink, whether or not the ring is enabled */
+  void *sink_ctx;
   size_t capacity;
   uint64_t written; /* events ever recorded; the next one goes to written % capacity */
   ia_trace_event_t *ring;
@@ -50,27 +52,55 @@ void ia_trace_set_enabled(ia_trace_t *t, bool on) {
   pthread_mutex_unlock(&t->lock);
 }
 
+void ia_trace_set_sink(ia_trace_t *t, ia_trace_sink_t sink, void *ctx) {
+  pthread_mutex_lock(&t->lock);
+  t->sink = sink;
+  t->sink_ctx = ctx;
+  pthread_mutex_unlock(&t->lock);
+}
+
+bool ia_trace_recording(ia_trace_t *t) {
+  pthread_mutex_lock(&t->lock);
+  bool on = t->enabled || t->sink;
+  pthread_mutex_unlock(&t->lock);
+  return on;
+}
+
 size_t ia_trace_capacity(const ia_trace_t *t) { return t->capacity; }
+
+ia_status_t _ia_trace_resize(ia_trace_t *t, size_t capacity) {
+  ia_trace_event_t *ring = capacity ? calloc(capacity, sizeof *ring) : NULL;
+  if (!ring) return capacity ? IA_ERR_NO_HOST_MEMORY : IA_ERR_INVALID_ARGUMENT;
+  pthread_mutex_lock(&t->lock);
+  ia_trace_event_t *old = t->ring;
+  t->ring = ring;
+  t->capacity = capacity;
+  t->written = 0;
+  pthread_mutex_unlock(&t->lock);
+  free(old);
+  return IA_OK;
+}
 
 void _ia_trace_record(ia_trace_t *t, ia_trace_action_t action, int32_t device, uint8_t pool,
                       uintptr_t address, uint64_t size, ia_stream_t stream) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   if (!thread_id) thread_id = (uint64_t)syscall(SYS_gettid);
+  ia_trace_event_t e = {
+      .time_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec,
+      .thread = thread_id,
+      .address = address,
+      .size = size,
+      .stream = stream,
+      .device = device,
+      .action = (uint8_t)action,
+      .pool = pool,
+  };
   pthread_mutex_lock(&t->lock);
-  if (t->enabled) {
-    t->ring[t->written % t->capacity] = (ia_trace_event_t){
-        .time_ns = (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec,
-        .thread = thread_id,
-        .address = address,
-        .size = size,
-        .stream = stream,
-        .device = device,
-        .action = (uint8_t)action,
-        .pool = pool,
-    };
-    t->written++;
-  }
+  if (t->enabled) t->ring[t->written++ % t->capacity] = e;
+  /* Under the lock, so that the sink sees events in the ring's order and is never called after
+   * ia_trace_set_sink replaced it. */
+  if (t->sink) t->sink(t->sink_ctx, &e);
   pthread_mutex_unlock(&t->lock);
 }
 

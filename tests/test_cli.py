@@ -141,3 +141,29 @@ def test_a_replay_with_failures_the_recording_did_not_have_exits_one(tmp_path):
     assert cli("replay", str(trace), "--allocators", "host", "--budget-mb", "4", "--no-progress").returncode == 0
     done = cli("replay", str(trace), "--allocators", "host", "--budget-mb", "2", "--no-progress")
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stdout + done.stderr
+
+
+def _fake_snapshot(segments: int) -> dict:
+    trace = []
+    for i in range(segments):
+        at = (1 << 30) + i * (1 << 24)
+        trace += [{"action": action, "addr": at, "size": size, "stream": 0, "time_us": i,
+                   "frames": [{"filename": "work.py", "line": 1, "name": "piece"}]}
+                  for action, size in (("segment_alloc", 1 << 24), ("alloc", 1 << 20),
+                                       ("free_requested", 1 << 20), ("free_completed", 1 << 20))]
+    return {"segments": [], "device_traces": [trace]}
+
+
+def test_the_memory_viz_example_draws_both_snapshots_and_says_which_is_missing(tmp_path):
+    import pickle
+    script = [sys.executable, os.path.join(ROOT, "examples", "memory_viz.py"), str(tmp_path), "--render"]
+    with open(tmp_path / "default.pickle", "wb") as f:
+        pickle.dump(_fake_snapshot(3), f)
+    done = subprocess.run(script, capture_output=True, text=True)
+    assert done.returncode == 2 and "no snapshot of arena" in done.stderr.splitlines()[-1], done.stderr
+    with open(tmp_path / "arena.pickle", "wb") as f:
+        pickle.dump(_fake_snapshot(1), f)
+    done = subprocess.run(script, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    for name in ("memory_viz.png", "default.html", "arena.html"):
+        assert (tmp_path / name).stat().st_size > 500, name

@@ -14,7 +14,8 @@ MAX_FILE_LINES = 600
 
 
 def _sources():
-    skip = {".venv", "build", ".git", "scratch", "__pycache__", ".hypothesis", ".whl", "gpu-out"}
+    skip = {".venv", "build", ".git", "scratch", "__pycache__", ".hypothesis", ".whl", "gpu-out",
+            ".torch-tests"}
     for path in sorted(ROOT.rglob("*")):
         rel = path.relative_to(ROOT)
         if path.is_file() and path.suffix in SOURCE_SUFFIXES and not skip & set(rel.parts) \

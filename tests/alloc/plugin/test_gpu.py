@@ -100,6 +100,7 @@ print(json.dumps({"err": err, "kind": kind, "elapsed": elapsed, "sum": (ok.sum()
 """)
     msg = out["err"]
     assert out["kind"] == "OutOfMemoryError"
+    assert msg.startswith("CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of "), msg
     for part in ("device 0", "40.00 MiB", "budget 32.00 MiB", "largest free block", "budget_mb"):
         assert part in msg, (part, msg)
     assert out["elapsed"] < 1.0 and out["sum"] == 3 * (1 << 20) + 1000 and out["ooms"] == 1

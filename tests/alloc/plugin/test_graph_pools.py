@@ -146,6 +146,53 @@ check()
 """)
 
 
+def test_a_block_of_a_released_pool_freed_inside_another_capture_lives_as_long_as_that_graph():
+    # PyTorch's test_graph_capture_reset_recapture: graph 1's output outlives its reset(), graph 2
+    # writes it and rebinds the name inside its capture, so the block is freed while graph 2
+    # captures, and graph 2's replays still write it.
+    run("""
+p1, p2 = pool(11), pool(12)
+capture(p1, 5, 1)
+out = alloc(30 * MiB, 5, p1)
+end_capture(p1, 5)
+assert lib.ia_graph_release(0, p1[0]) == lib.IA_OK       # graph 1 reset; out still alive
+capture(p2, 5, 2)
+new = alloc(30 * MiB, 5, p2)
+free(out)                                                 # rebound inside graph 2's capture
+end_capture(p2, 5)
+assert info(p1) is not None and info(p1).capacity >= 30 * MiB   # graph 2 still uses it
+lib.ia_torch_empty_cache()
+assert info(p1) is not None and info(p1).capacity >= 30 * MiB
+assert out not in [alloc(30 * MiB, 5) for _ in range(3)]  # never handed to eager code
+free(new)
+assert lib.ia_graph_release(0, p2[0]) == lib.IA_OK       # graph 2 reset: both pools go
+assert info(p1) is None and info(p2) is None
+check()
+""")
+
+
+def test_pools_that_keep_each_other_both_go_once_their_graphs_are_gone():
+    run("""
+p1, p2 = pool(21), pool(22)
+capture(p1, 6, 1)
+a = alloc(4 * MiB, 6, p1)
+end_capture(p1, 6)
+capture(p2, 7, 2)
+b = alloc(4 * MiB, 7, p2)
+free(a)                       # p2 keeps p1
+end_capture(p2, 7)
+capture(p1, 6, 3)
+free(b)                       # p1 keeps p2
+end_capture(p1, 6)
+for _ in range(2):            # each capture holds its pool once: p1's two graphs go
+    assert lib.ia_graph_release(0, p1[0]) == lib.IA_OK
+assert info(p1) is not None   # p2's graph may still touch a
+assert lib.ia_graph_release(0, p2[0]) == lib.IA_OK
+assert info(p1) is None and info(p2) is None
+check()
+""")
+
+
 def test_frees_that_would_touch_a_capturing_stream_wait_for_the_end_of_the_capture():
     run("""
 on_capturing = alloc(4096, 5)
@@ -371,3 +418,87 @@ rows = {{s["pool"]: s for s in report.summarize(r)}}
 assert rows["graph (11, 0) large"]["in_use"] == 30 * MiB      # the carve-out is the workspace pool's
 assert rows["workspace"]["in_use"] == 4 * MiB and rows["large"]["in_use"] == 3 * MiB
 """)
+
+
+def test_a_pool_with_its_own_allocator_takes_its_regions_from_it_until_the_pool_is_gone():
+    # torch.cuda.MemPool(allocator): vLLM's sleep mode, NCCL's symmetric memory
+    run("""
+import ctypes
+calls = {"alloc": [], "free": [], "drop": 0}
+keep = {}
+@ffi.callback("void *(void *, size_t, int, void *)")
+def own_alloc(ctx, size, device, stream):
+    buf = ctypes.create_string_buffer(size + 4096)
+    base = (ctypes.addressof(buf) + 4095) & ~4095
+    keep[base] = buf
+    calls["alloc"].append(size)
+    return ffi.cast("void *", base)
+@ffi.callback("void (void *, void *, size_t, int, void *)")
+def own_free(ctx, ptr, size, device, stream):
+    calls["free"].append(size)
+    del keep[int(ffi.cast("uintptr_t", ptr))]
+@ffi.callback("void (void *)")
+def drop(ctx):
+    calls["drop"] += 1
+own = ffi.new("ia_pool_allocator_t *", {"alloc": own_alloc, "free": own_free, "drop": drop})
+p = pool(0, 41)
+assert lib.ia_graph_set_allocator(0, p[0], own) == lib.IA_OK
+assert lib.ia_graph_incref(0, p[0]) == lib.IA_OK         # the MemPool
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK          # use_mem_pool
+x = alloc(4 * MiB, 3, p)
+y = alloc(4096, 3, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+assert lib.ia_graph_release(0, p[0]) == lib.IA_OK
+assert sorted(calls["alloc"]) == [2 * MiB, 20 * MiB]     # PyTorch's segment sizes
+assert int(ffi.cast("uintptr_t", ffi.cast("void *", x))) in range(min(keep), max(keep) + 20 * MiB)
+assert lib.ia_graph_set_allocator(0, p[0], own) == lib.IA_ERR_INVALID_ARGUMENT   # it has allocated
+assert lib.ia_graph_release(0, p[0]) == lib.IA_OK        # the MemPool goes; x and y live on
+assert calls["free"] == [] and calls["drop"] == 0
+free(x); free(y)
+assert sorted(calls["free"]) == [2 * MiB, 20 * MiB] and calls["drop"] == 1 and not keep
+check()
+""")
+
+
+def test_a_no_split_pool_hands_out_whole_blocks():
+    run("""
+p = pool(0, 42)
+assert lib.ia_graph_set_no_split(0, p[0]) == lib.IA_OK
+assert lib.ia_graph_incref(0, p[0]) == lib.IA_OK
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+a, b = alloc(4 * MiB, 3, p), alloc(4 * MiB, 3, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+n = lib.ia_graph_blocks(0, p[0], ffi.NULL, 0)
+blocks = ffi.new("ia_block_info_t[]", n)
+lib.ia_graph_blocks(0, p[0], blocks, n)
+assert [(b.is_free, b.size) for b in blocks] == [(False, 20 * MiB)] * 2   # a segment each, no rest
+free(a); free(b)
+check(p)
+""")
+
+
+def test_an_eager_request_that_finds_no_memory_takes_a_free_block_of_a_use_on_oom_pool():
+    # The general pools map a 64 MiB range each, so an eager request past it finds no memory.
+    done = run_python(PRELUDE.replace("c.host_memory = 64 << 20, 256, 0, 1",
+                                      "c.host_memory = 64 << 20, 256, 0, 1\n"
+                                      "c.expandable, c.address_range = 1, 64 << 20") + """
+use, other = pool(0, 43), pool(0, 44)
+blocks = {}
+for q, on in ((use, True), (other, False)):
+    assert lib.ia_graph_incref(0, q[0]) == lib.IA_OK       # a MemPool
+    assert lib.ia_graph_set_use_on_oom(0, q[0], on) == lib.IA_OK
+    assert lib.ia_graph_begin(0, q[0]) == lib.IA_OK
+    blocks[on] = alloc(40 * MiB, 3, q)
+    free(blocks[on])                                      # a free 40 MiB block stays in each
+    assert lib.ia_graph_end(0, q[0]) == lib.IA_OK
+big = alloc(60 * MiB, 3)                                  # the large pool's range is nearly full
+c = alloc(30 * MiB, 3)
+assert c == blocks[True], (c, blocks)                     # the use_on_oom pool's block, not the other's
+free(c)
+assert lib.ia_graph_set_use_on_oom(0, use[0], False) == lib.IA_OK   # as the MemPool's destructor does
+assert lib.ia_graph_release(0, use[0]) == lib.IA_OK
+free(big)
+check(use, other)
+print("ok")
+""")
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

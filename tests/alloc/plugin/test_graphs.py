@@ -170,6 +170,58 @@ print(json.dumps({"numbers": numbers}))
 """)
 
 
+def test_an_output_rebound_in_the_next_capture_keeps_its_memory_after_reset_and_empty_cache():
+    # PyTorch's test_graph_capture_reset_recapture, then eager churn between the second capture
+    # and its replays: graph 2 writes the first graph's output, which was freed inside graph 2's
+    # capture, at every replay. Under the arena empty_cache() runs too: PyTorch's allocator would
+    # give that memory back there, and graph 2 would write memory it no longer has.
+    both("""
+g = torch.Generator(device="cuda").manual_seed(6)
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    a = torch.randn(1 << 22, device="cuda", generator=g)
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin()
+    b = a
+    for _ in range(10):
+        b = b + 1
+    graph.capture_end()
+torch.cuda.current_stream().wait_stream(s)
+graph.replay()
+numbers = [b.double().sum().item()]
+expect = a
+for _ in range(10):
+    expect = expect + 1
+assert torch.equal(b, expect)
+graph.reset()                              # b outlives its graph
+old = b.data_ptr()
+with torch.cuda.stream(s):
+    graph.capture_begin()
+    b.fill_(2.0)                           # graph 2 writes the old b ...
+    for _ in range(10):
+        b = b + 2                          # ... and frees it inside the capture
+    graph.capture_end()
+torch.cuda.current_stream().wait_stream(s)
+if ARENA:
+    torch.cuda.empty_cache()
+churn = [torch.randn(1 << 22, device="cuda", generator=g) for _ in range(8)]
+copies = [c.clone() for c in churn]
+if ARENA:
+    assert all(not (c.data_ptr() <= old < c.data_ptr() + (4 << 22)) for c in churn)
+for _ in range(3):
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(b, torch.full_like(b, 22.0))
+    numbers.append(b.double().sum().item())
+assert all(torch.equal(c, d) for c, d in zip(churn, copies)), "a replay wrote eager memory"
+graph.reset()
+del graph
+numbers.append(b.double().sum().item())
+print(json.dumps({"numbers": numbers}))
+""")
+
+
 def test_make_graphed_callables_with_backward_matches_eager():
     both("""
 torch.manual_seed(5)

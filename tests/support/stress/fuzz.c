@@ -165,7 +165,26 @@ static void drain(subject_t *s, long op) {
 /* ---- the plugin's graph pools on host memory ---------------------------------------------------- */
 
 static void *plugin_live[LIVE];
+static bool plugin_in_graph[LIVE]; /* allocated in a graph pool */
 static int plugin_n;
+
+/* Blocks of graph pools freed while pool `id` captured: its graph may use them at every replay,
+ * so they must stay mapped for as long as the pool is in use (after that they are forgotten). */
+static struct {
+  ia_pool_id_t id;
+  unsigned char *p;
+} touched[LIVE];
+static int touched_n;
+
+static void replay_touched(void) {
+  for (int i = 0; i < touched_n;) {
+    if (ia_graph_use_count(0, touched[i].id) == 0) {
+      touched[i] = touched[--touched_n];
+      continue;
+    }
+    touched[i++].p[0] ^= 1; /* a replay writes it: a fault if it was given back */
+  }
+}
 
 static void plugin_step(long op) {
   static int capturing;
@@ -198,16 +217,24 @@ static void plugin_step(long op) {
       if (!setjmp(refused))
         p = ia_torch_alloc(size, 0, (void *)(capturing ? stream : below(3)), capturing ? &id : NULL);
       if (workspace) ia_workspace_exit();
-      if (p && plugin_n < LIVE) plugin_live[plugin_n++] = p;
-      else if (p) ia_torch_free(p);
+      if (p && plugin_n < LIVE) {
+        plugin_in_graph[plugin_n] = capturing;
+        plugin_live[plugin_n++] = p;
+      } else if (p) {
+        ia_torch_free(p);
+      }
       break;
     }
     case 4: case 5:
       if (plugin_n) {
         int i = (int)below((size_t)plugin_n);
         if (below(4) == 0) ia_torch_record_stream(plugin_live[i], (void *)below(3));
+        if (capturing && plugin_in_graph[i] && touched_n < LIVE)
+          touched[touched_n++] = (typeof(touched[0])){id, plugin_live[i]};
         ia_torch_free(plugin_live[i]);
-        plugin_live[i] = plugin_live[--plugin_n];
+        plugin_n--;
+        plugin_live[i] = plugin_live[plugin_n];
+        plugin_in_graph[i] = plugin_in_graph[plugin_n];
       }
       break;
     case 6:
@@ -227,6 +254,7 @@ static void plugin_step(long op) {
         if (!ia_graph_check(0, pid, msg, sizeof msg)) fail(msg, op);
       }
   }
+  if (!capturing) replay_touched();
   if (ia_host_capture_violations() != violations) fail("the plugin broke a capture rule", op);
 }
 

@@ -4,8 +4,11 @@
  * simulated capture on its stream, allocations and frees in the pool, workspaces inside the
  * capture, end, release) and checks the pool's blocks the same way. Half of the graphs are
  * released while their outputs live, and the outputs are handed to the eager threads, which free
- * them concurrently: the last frees into a released pool race to give it back. At the end nothing
- * is live, no pool is left and no capture rule was broken.
+ * them concurrently: the last frees into a released pool race to give it back. One output of each
+ * released graph is instead rebound inside the next capture (written, then freed there), and that
+ * graph writes it again at every simulated replay until it is released: the block must stay
+ * mapped and never be handed out meanwhile (PyTorch's test_graph_capture_reset_recapture). At the
+ * end nothing is live, no pool is left and no capture rule was broken.
  *
  * usage: graphs_stress EAGER_THREADS OPS_PER_THREAD GRAPHS   (prints "ok" or fails) */
 #include <pthread.h>
@@ -102,9 +105,15 @@ static void *grapher(void *arg) {
   (void)arg;
   unsigned seed = 7;
   ia_stream_t stream = 999;
+  void *carried = NULL; /* an output of the last graph, released with it */
+  size_t carried_size = 0;
   for (long g = 0; g < graphs; g++) {
     ia_pool_id_t id = {.first = (uint64_t)g + 1, .second = 0};
     if (ia_graph_begin(0, id) != IA_OK || !ia_host_capture_begin(stream, (uint64_t)g + 1)) abort();
+    void *rebound = carried;
+    size_t rebound_size = carried_size;
+    if (rebound) check_and_free(rebound, rebound_size); /* used by this capture, then rebound */
+    carried = NULL;
     void *out[8];
     size_t sizes[8];
     for (int i = 0; i < 8; i++) {
@@ -117,13 +126,16 @@ static void *grapher(void *arg) {
     }
     ia_host_capture_end(stream);
     if (ia_graph_end(0, id) != IA_OK) abort();
+    if (rebound) fill(rebound, rebound_size); /* a replay writes what the graph rebound */
     bool hand_out = g % 2;
     if (hand_out && ia_graph_release(0, id) != IA_OK) abort(); /* the outputs outlive the graph */
+    if (hand_out && out[1]) carried = out[1], carried_size = sizes[1], out[1] = NULL;
     for (int i = 0; i < 8; i++)
       if (out[i] && !(hand_out && i < 7 && post(out[i], sizes[i]))) /* not the workspace: its budget is small */
         check_and_free(out[i], sizes[i]);
     if (!hand_out && ia_graph_release(0, id) != IA_OK) abort();
   }
+  if (carried) check_and_free(carried, carried_size);
   return NULL;
 }
 

@@ -1,0 +1,149 @@
+"""What PyTorch's memory tools read from the core, on the host backend: the device's segments
+(csrc/plugin_segments.c), the trace sink that memory history listens to (csrc/trace.c,
+ia_plugin_trace_sink), and the accumulated counters PyTorch resets. Each test runs in a fresh
+interpreter, since the plugin is configured once per process."""
+
+from tests.support import run_python
+
+PRELUDE = """
+from alloc._core import ffi, lib
+c = ffi.new("ia_plugin_config_t *")
+c.budget, c.alignment, c.unified, c.host_memory = 64 << 20, 256, 0, 1
+assert lib.ia_plugin_configure(c) == lib.IA_OK
+MiB = 1 << 20
+
+def segments():
+    out = []
+    @ffi.callback("void(void *, const ia_segment_info_t *, const ia_block_info_t *, size_t)")
+    def add(ctx, seg, blocks, n):
+        out.append({"address": seg.address, "size": seg.size, "pool": seg.pool,
+                    "graph": (seg.graph_pool.first, seg.graph_pool.second),
+                    "blocks": [(b.address, b.size, b.requested, bool(b.is_free)) for b in blocks[0:n]]})
+    lib.ia_plugin_segments(0, add, ffi.NULL)
+    return out
+
+def alloc(size, stream=1, pool=None):
+    return int(ffi.cast("uintptr_t", lib.ia_torch_alloc(size, 0, ffi.cast("void *", stream),
+                                                         pool if pool is not None else ffi.NULL)))
+"""
+
+
+def run(body: str) -> None:
+    done = run_python(PRELUDE + body + "\nprint('ok')\n")
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_segments_are_tiled_by_their_blocks_and_name_their_pool():
+    run("""
+small = [alloc(4096) for _ in range(5)]
+large = alloc(3 * MiB)
+lib.ia_workspace_enter(); ws = alloc(MiB); lib.ia_workspace_exit()
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, 9
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+g = alloc(5 * MiB, 2, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+lib.ia_torch_free(ffi.cast("void *", small[2]))
+segs = segments()
+for s in segs:
+    at = s["address"]
+    for address, size, requested, free in s["blocks"]:  # in address order, no gap, no overlap
+        assert address == at and (requested == 0) == free
+        at += size
+    assert at == s["address"] + s["size"]
+live = {b[0]: (s["pool"], s["graph"]) for s in segs for b in s["blocks"] if not b[3]}
+assert live == {**{a: (lib.IA_POOL_SMALL, (0, 0)) for a in small if a != small[2]},
+                large: (lib.IA_POOL_LARGE, (0, 0)), ws: (lib.IA_POOL_WORKSPACE, (0, 0)),
+                g: (lib.IA_TRACE_POOL_GRAPH + 1, (0, 9))}
+""")
+
+
+def test_the_sink_sees_every_arena_graph_pools_included_and_nothing_after_it_is_removed():
+    run("""
+events = []
+@ffi.callback("void(void *, const ia_trace_event_t *)")
+def sink(ctx, e):
+    events.append((e.action, e.pool, e.address, e.size))
+held = alloc(4096)                         # the pools exist before the sink
+assert lib.ia_plugin_trace_sink(sink, ffi.NULL) == lib.IA_OK
+events.clear()                             # the regions already held are replayed first
+a = alloc(2 * MiB)
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 3, 0
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+g = alloc(4096, 2, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+lib.ia_torch_free(ffi.cast("void *", g))
+assert lib.ia_graph_release(0, p[0]) == lib.IA_OK   # the pool goes: its region is given back
+lib.ia_torch_free(ffi.cast("void *", a))
+assert (lib.IA_TRACE_ALLOC, lib.IA_POOL_LARGE, a, 2 * MiB) in events
+assert (lib.IA_TRACE_ALLOC, lib.IA_TRACE_POOL_GRAPH, g, 4096) in events
+assert any(e[0] == lib.IA_TRACE_RESERVE and e[1] == lib.IA_TRACE_POOL_GRAPH for e in events)
+assert any(e[0] == lib.IA_TRACE_RELEASE and e[1] == lib.IA_TRACE_POOL_GRAPH for e in events)
+assert any(e[0] == lib.IA_TRACE_FREE and e[2] == a for e in events)
+assert lib.ia_plugin_trace_sink(ffi.NULL, ffi.NULL) == lib.IA_OK
+n = len(events)
+lib.ia_torch_free(ffi.cast("void *", alloc(8192)))
+assert len(events) == n
+""")
+
+
+def test_accumulated_counters_count_from_a_reset_and_currents_stay():
+    run("""
+def torch_stats():
+    s = ffi.new("ia_torch_stats_t *")
+    lib.ia_plugin_torch_stats(0, s)
+    return s
+keep = [alloc(4096) for _ in range(3)]
+lib.ia_torch_free(ffi.cast("void *", keep.pop()))
+before = torch_stats()
+assert before.allocation[0].allocated == 3 and before.allocation[0].freed == 1
+lib.ia_plugin_reset_accumulated(0)
+s = torch_stats()
+assert (s.allocation[0].allocated, s.allocation[0].freed, s.allocation[0].current) == (0, 0, 2)
+assert s.allocated_bytes[0].current == before.allocated_bytes[0].current and s.num_device_alloc == 0
+lib.ia_torch_free(ffi.cast("void *", keep.pop()))
+s = torch_stats()
+assert (s.allocation[0].allocated, s.allocation[0].freed, s.allocation[0].current) == (0, 1, 1)
+""")
+
+
+def test_graph_pools_count_in_pytorchs_small_and_large_pool_statistics():
+    run("""
+def torch_stats():
+    s = ffi.new("ia_torch_stats_t *")
+    lib.ia_plugin_torch_stats(0, s)
+    return s
+eager = alloc(4096)
+before = torch_stats()
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, 5
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+small, large = alloc(4096, 2, p), alloc(3 * MiB, 2, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+s = torch_stats()
+assert s.allocation[1].current - before.allocation[1].current == 1          # small_pool
+assert s.allocation[2].current - before.allocation[2].current == 1          # large_pool
+assert s.reserved_bytes[1].current - before.reserved_bytes[1].current == 2 * MiB   # PyTorch's segments
+assert s.reserved_bytes[2].current - before.reserved_bytes[2].current == 20 * MiB
+assert s.segment[0].current == s.segment[1].current + s.segment[2].current
+""")
+
+
+def test_the_ring_keeps_its_capacity_and_eager_pools_only_while_a_sink_listens():
+    run("""
+@ffi.callback("void(void *, const ia_trace_event_t *)")
+def sink(ctx, e):
+    pass
+assert lib.ia_plugin_trace_sink(sink, ffi.NULL) == lib.IA_OK   # history first: a ring of its own
+assert lib.ia_plugin_trace_start(1000) == lib.IA_OK           # then trace:1000
+ring = lib.ia_plugin_trace()
+assert lib.ia_trace_capacity(ring) == 1000
+lib.ia_trace_clear(ring)
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, 6
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+g = alloc(4096, 2, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+e = alloc(4096)
+events = ffi.new("ia_trace_event_t[]", 1000)
+n = lib.ia_trace_read(ring, events, 1000, ffi.NULL)
+allocs = [(x.action, x.address, x.pool) for x in events[0:n] if x.action != lib.IA_TRACE_RESERVE]
+assert allocs == [(lib.IA_TRACE_ALLOC, e, lib.IA_POOL_SMALL)], allocs   # not the graph pool's
+""")
