@@ -35,9 +35,11 @@ typedef struct {
   bool configured;
   ia_plugin_config_t config; /* its strings are plugin.c's own copies */
   /* The traces are made and read under the lock; arenas get them through ia_arena_set_trace's
-   * release store. */
-  ia_trace_t *trace;       /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */
-  ia_trace_t *graph_trace; /* the graph pools' arenas': the sink alone, their events kept out of the ring */
+   * release store. A graph pool's arena made under the graph pools' lock alone reads graph_trace
+   * with acquire, which its release store pairs with: on Arm a thread could otherwise see the
+   * pointer before the trace it points to is made. */
+  ia_trace_t *trace;                /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */
+  ia_trace_t *_Atomic graph_trace; /* the graph pools' arenas': the sink alone, their events kept out of the ring */
   bool ring_sized;         /* trace's ring was made or resized with the capacity a start asked for */
   _ia_device_slot_t devices[IA_MAX_DEVICES];
   _Atomic uint64_t ooms, retries; /* counts, relaxed enough */
