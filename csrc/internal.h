@@ -157,7 +157,8 @@ static inline void _ia_stat_fold(ia_stat_t *s, const _ia_delta_t *d) {
 
 /* A quantity summed over several arenas (one device's pools), kept exact with atomics so that a
  * device-wide peak is a true peak and not a sum of per-arena peaks (the sums of increases and
- * decreases add up exactly from the arenas' own). */
+ * decreases add up exactly from the arenas' own). Relaxed, on a weakly ordered CPU (Arm) too: a
+ * total is a count that statistics read, and no thread reads other data because of its value. */
 typedef struct {
   _Atomic int64_t current, peak;
 } _ia_total_t;
@@ -177,7 +178,9 @@ typedef struct ia_totals {
    * under each arena's own lock, so two arenas growing at once can pass it by one region. */
   _Atomic uint64_t limit;
   /* Streams of the device capturing CUDA graphs now (begun and not ended allocate-to-pool scopes):
-   * while any do, no arena watching it gives memory back to the backend. */
+   * while any do, no arena watching it gives memory back to the backend. A count, not a flag over
+   * data: the frees it holds back are handed over under the device's graph lock (graphs.c), so a
+   * free's unlocked relaxed look at it needs no stronger order on Arm. */
   _Atomic int captures;
 } ia_totals_t;
 /* Also watches the group's capture count (below). */
@@ -472,7 +475,10 @@ struct ia_arena {
   const _Atomic int *captures; /* the device's capture count, when it has one */
   _ia_region_hook_t on_region;
   void *on_region_ctx;
-  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool. */
+  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool.
+   * Release (ia_arena_set_trace) and acquire (_ia_arena_trace): a thread that sees the pointer
+   * sees the trace made (its ring and lock), which a weakly ordered CPU would otherwise not
+   * promise. The tag, stored before the pointer, is read relaxed: any tag seen is a whole value. */
   ia_trace_t *_Atomic trace;
   _Atomic uint64_t trace_tag;
   /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */

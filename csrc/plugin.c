@@ -448,8 +448,11 @@ static ia_status_t plugin_traces(size_t capacity) {
   if (!_ia_plugin.trace && (st = ia_trace_create(capacity ? capacity : 1, &_ia_plugin.trace)) == IA_OK)
     ia_trace_set_enabled(_ia_plugin.trace, false);
   if (st == IA_OK && capacity) _ia_plugin.ring_sized = true;
-  if (st == IA_OK && !_ia_plugin.graph_trace && (st = ia_trace_create(1, &_ia_plugin.graph_trace)) == IA_OK)
-    ia_trace_set_enabled(_ia_plugin.graph_trace, false);
+  ia_trace_t *graph_trace = NULL;
+  if (st == IA_OK && !_ia_plugin.graph_trace && (st = ia_trace_create(1, &graph_trace)) == IA_OK) {
+    ia_trace_set_enabled(graph_trace, false);
+    atomic_store_explicit(&_ia_plugin.graph_trace, graph_trace, memory_order_release);
+  }
   return st;
 }
 
@@ -476,7 +479,13 @@ ia_status_t ia_plugin_trace_sink(ia_trace_sink_t sink, void *ctx) {
   return st;
 }
 
-ia_trace_t *ia_plugin_trace(void) { return _ia_plugin.trace; }
+/* Under the lock: the trace may be made by another thread at this moment (ia_plugin_trace_start). */
+ia_trace_t *ia_plugin_trace(void) {
+  pthread_mutex_lock(&_ia_plugin.lock);
+  ia_trace_t *t = _ia_plugin.trace;
+  pthread_mutex_unlock(&_ia_plugin.lock);
+  return t;
+}
 
 ia_totals_t *_ia_plugin_totals(int device) {
   return device >= 0 && device < IA_MAX_DEVICES ? &_ia_plugin.devices[device].totals : NULL;
@@ -509,8 +518,9 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
   if (st == IA_OK && kind == GRAPH_WORKSPACE) _ia_arena_watch_captures(*out, &slot->totals.captures);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
   /* Under the graph pools' lock, which trace_every_arena also takes after setting the sink. */
-  if (st == IA_OK && recording(_ia_plugin.graph_trace))
-    ia_arena_set_trace(*out, _ia_plugin.graph_trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
+  ia_trace_t *graph_trace = atomic_load_explicit(&_ia_plugin.graph_trace, memory_order_acquire);
+  if (st == IA_OK && recording(graph_trace))
+    ia_arena_set_trace(*out, graph_trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
   return st;
 }
 

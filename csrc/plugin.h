@@ -6,6 +6,10 @@
 
 #include "internal.h"
 
+/* ready and workspace_ready publish what is set before them (the arenas, unified, expandable,
+ * owner): stored under the plugin's lock with release (create_device's sequentially consistent
+ * store is one) and read with acquire where no lock is taken (_ia_device_slot, _ia_device_ready,
+ * ia_plugin_arena), so that on Arm a thread that sees 1 also sees the arenas. */
 typedef struct {
   _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
   _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
@@ -16,7 +20,8 @@ typedef struct {
   size_t address_range;
   uint64_t peers;       /* devices that asked to reach this one's memory (enablePeerAccess) */
   _ia_owner_t owner; /* what the region registry answers for this device's own arenas */
-  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment */
+  _Atomic ia_stream_t pool_stream; /* workspace scope: the stream of the pool's first segment (a
+                                    * value set once by compare-and-swap; it publishes nothing) */
   /* Under _ia_plugin.lock: torch.cuda.set_per_process_memory_fraction's last value (totals.limit
    * holds the bytes it allows) and whether one was set, and the accumulated counters as they
    * were at torch.cuda.reset_accumulated_memory_stats(), which PyTorch's figures start from. */
@@ -29,11 +34,15 @@ typedef struct {
   pthread_mutex_t lock; /* guards configuration and device creation */
   bool configured;
   ia_plugin_config_t config; /* its strings are plugin.c's own copies */
-  ia_trace_t *trace;       /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */
-  ia_trace_t *graph_trace; /* the graph pools' arenas': the sink alone, their events kept out of the ring */
+  /* The traces are made and read under the lock; arenas get them through ia_arena_set_trace's
+   * release store. A graph pool's arena made under the graph pools' lock alone reads graph_trace
+   * with acquire, which its release store pairs with: on Arm a thread could otherwise see the
+   * pointer before the trace it points to is made. */
+  ia_trace_t *trace;                /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */
+  ia_trace_t *_Atomic graph_trace; /* the graph pools' arenas': the sink alone, their events kept out of the ring */
   bool ring_sized;         /* trace's ring was made or resized with the capacity a start asked for */
   _ia_device_slot_t devices[IA_MAX_DEVICES];
-  _Atomic uint64_t ooms, retries;
+  _Atomic uint64_t ooms, retries; /* counts, relaxed enough */
 } _ia_plugin_t;
 extern _ia_plugin_t _ia_plugin;
 /* Why the last device creation, reservation or routing of this thread failed (ia_plugin_failure). */

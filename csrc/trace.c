@@ -1,5 +1,7 @@
 /* Allocation trace: a fixed ring of events. Memory is bounded by the capacity chosen at creation;
- * a full ring overwrites its oldest entry, and `dropped` counts what was lost that way. */
+ * a full ring overwrites its oldest entry, and `dropped` counts what was lost that way.
+ * Every field is read and written under the lock once the trace is made (capacity too, which a
+ * resize changes), which orders them on a weakly ordered CPU as on any other. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -64,7 +66,13 @@ bool ia_trace_recording(ia_trace_t *t) {
   return on;
 }
 
-size_t ia_trace_capacity(const ia_trace_t *t) { return t->capacity; }
+size_t ia_trace_capacity(const ia_trace_t *t) {
+  pthread_mutex_t *lock = (pthread_mutex_t *)&t->lock; /* reading changes the lock, not the trace */
+  pthread_mutex_lock(lock);
+  size_t capacity = t->capacity;
+  pthread_mutex_unlock(lock);
+  return capacity;
+}
 
 ia_status_t _ia_trace_resize(ia_trace_t *t, size_t capacity) {
   ia_trace_event_t *ring = capacity ? calloc(capacity, sizeof *ring) : NULL;

@@ -42,12 +42,13 @@ import triton
 import triton.language as tl
 
 from . import logits_hopper as hopper
-from ._device import capability
+from ._device import FAMILIES, capability, family, family_of
+from ._launch import LAUNCH_OPTIONS
 from .logits_hopper import HopperConfig
 
 __all__ = ["LogitsConfig", "HopperConfig", "mqa_logits", "paged_mqa_logits", "kv_offsets",
            "default_config", "candidate_configs", "set_config", "supported_dtypes",
-           "row_stride_elems"]
+           "row_stride_elems", "FAMILY_DEFAULTS", "FLOAT32_DEFAULTS", "SHARED_PER_BLOCK"]
 
 INT32_MAX = tl.constexpr(2**31 - 1)
 
@@ -168,11 +169,33 @@ class LogitsConfig:
 
 _FP8 = getattr(torch, "float8_e4m3fn", None)
 _INTERPRETER_CONFIG = LogitsConfig(16, 32, 4, 1)
-# 64 x 128 with 4 warps fits two programs per SM without spills (tests/indexer (its compiled tests)
-# checks it for sm_90), which is what overlaps one program's relus with the other's products;
-# wider tiles (128 x 128 on 8 warps) spill. The benchmark's sweep (benchmarks/indexer/bench_indexer.py)
-# times the candidates and set_config() can pin a winner.
-_GPU_DEFAULT = LogitsConfig(64, 128, 4, 3)
+# The portable kernel's tile for bf16, fp16 and fp8 by GPU family (indexer/_device.py), taken
+# by the device's compute capability. Each must fit two programs an SM without spills, which is
+# what overlaps one program's relus with the other's products; the compiled tests of
+# tests/indexer/test_logits.py check that for every family's targets on Triton's ptxas.
+#   sm_90:   64 x 128 on 4 warps (wider tiles, 128 x 128 on 8 warps, spill); the H200 figures.
+#   sm_100:  64 x 128 spills there (255 registers and 136-280 bytes of stack on Triton 3.9,
+#            640-800 on 3.6), and so do 64 x 64 and 64 x 128 on 8 warps on 3.6; 32 x 128 keeps
+#            the product's 128 kv rows and fits (at most 255 registers, 56 KiB).
+#   sm_120:  64 x 128 fits one program an SM (254 registers, 64.5 KiB of the SM's 100);
+#            32 x 128 fits two (at most 168 registers, 48.2 KiB).
+#   generic: the sm_120 tile, which fits the 99 KiB of Ampere and Ada too.
+# Not timed on those GPUs (none was at hand): the benchmark's sweep
+# (benchmarks/indexer/bench_indexer.py) times the candidates and set_config() can pin a winner.
+FAMILY_DEFAULTS = {"sm_90": LogitsConfig(64, 128, 4, 3), "sm_100": LogitsConfig(32, 128, 4, 3),
+                   "sm_120": LogitsConfig(32, 128, 4, 3), "generic": LogitsConfig(32, 128, 4, 3)}
+# float32 (products on the FMA units at ieee precision): 32 x 64 takes 255 registers a thread
+# and spills at D = 128 on every target (288-936 bytes of stack), and at D = 64 on Triton 3.6;
+# 32 x 32 does not. sm_90 keeps 32 x 64, the tile its recorded behaviour was taken with.
+FLOAT32_DEFAULTS = {"sm_90": LogitsConfig(32, 64, 4, 2), "sm_100": LogitsConfig(32, 32, 4, 2),
+                    "sm_120": LogitsConfig(32, 32, 4, 2), "generic": LogitsConfig(32, 32, 4, 2)}
+# Shared memory a program may take (bytes), by family; and what the sweep allows a candidate's
+# estimate (every q stage counted in full): 200 KiB of sm_90's 227, as its recorded sweeps did.
+SHARED_PER_BLOCK = {"sm_90": 227 << 10, "sm_100": 227 << 10, "sm_120": 99 << 10,
+                    "generic": 99 << 10}
+_SWEEP_SHARED = {"sm_90": 200 << 10, "sm_100": 200 << 10, "sm_120": 99 << 10,
+                 "generic": 99 << 10}
+assert set(FAMILY_DEFAULTS) == set(FLOAT32_DEFAULTS) == set(SHARED_PER_BLOCK) == set(FAMILIES)
 _CANDIDATES = (LogitsConfig(64, 128, 4, 3), LogitsConfig(64, 128, 4, 4),
                LogitsConfig(64, 64, 4, 3), LogitsConfig(32, 128, 4, 3),
                LogitsConfig(32, 256, 4, 3), LogitsConfig(64, 256, 8, 3),
@@ -197,22 +220,30 @@ def _key(dtype: torch.dtype, h: int, d: int, paged: bool) -> tuple:
     return (dtype, h, d, paged)
 
 
-def _on_hopper() -> bool:
-    return hopper.AVAILABLE and torch.cuda.is_available() and capability() == (9, 0)
+def _family(device: str, cap: tuple[int, int] | None) -> str:
+    if cap is not None:
+        return family_of(cap)
+    if device == "cuda" and torch.cuda.is_available():
+        return family()
+    return "generic"
 
 
 def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
-                   device: str = "cuda") -> LogitsConfig | HopperConfig:
+                   device: str = "cuda",
+                   capability: tuple[int, int] | None = None) -> LogitsConfig | HopperConfig:
     """The config a call uses when none is given: one chosen by ``set_config`` (the benchmark's
     sweep can set it), else the warp-specialized kernel on sm_90 where it applies (it falls
     back to the portable kernel's default for inputs it cannot take), else the portable
-    kernel's built-in default."""
+    kernel's default for the device's family (``FAMILY_DEFAULTS``). ``capability`` (major,
+    minor) answers for a device of that capability (default: the current CUDA device's;
+    without one, the generic family's)."""
     if device == "cpu":
         return _INTERPRETER_CONFIG
     chosen = _CHOSEN.get(_key(dtype, h, d, paged))
     if chosen is not None:
         return chosen
-    if _on_hopper():
+    fam = _family(device, capability)
+    if fam == "sm_90" and hopper.AVAILABLE:
         # bf16 is fastest with two consumer warpgroups and 3 q stages; fp8's products take
         # half as long, and a third consumer with a deeper q ring keeps the tensor cores fed
         # through the relus. From 32 heads up, fp8 is faster still with the linear half of
@@ -223,17 +254,17 @@ def default_config(dtype: torch.dtype, h: int, d: int, paged: bool = False,
                     (HopperConfig(6, 3, linear), HopperConfig(4, 2, linear))):
             if hopper.supports(dtype, h, d, cfg):
                 return cfg
-    return _portable_default(dtype, d)
+    return _portable_default(dtype, d, fam)
 
 
-def _portable_default(dtype: torch.dtype, d: int) -> LogitsConfig:
+def _portable_default(dtype: torch.dtype, d: int, fam: str) -> LogitsConfig:
     if dtype == torch.float32:
-        return LogitsConfig(32, 64, 4, 2)
-    if d <= 64:
-        # Half-size q tiles: room for a deeper pipeline.
-        return LogitsConfig(_GPU_DEFAULT.block_m, _GPU_DEFAULT.block_n, _GPU_DEFAULT.num_warps,
-                            _GPU_DEFAULT.num_stages + 1)
-    return _GPU_DEFAULT
+        return FLOAT32_DEFAULTS[fam]
+    tile = FAMILY_DEFAULTS[fam]
+    if d <= 64 and fam == "sm_90":
+        # Half-size q tiles: room for a deeper pipeline (measured on the H200 only).
+        return LogitsConfig(tile.block_m, tile.block_n, tile.num_warps, tile.num_stages + 1)
+    return tile
 
 
 def set_config(dtype: torch.dtype, h: int, d: int, paged: bool,
@@ -245,17 +276,22 @@ def set_config(dtype: torch.dtype, h: int, d: int, paged: bool,
         _CHOSEN[_key(dtype, h, d, paged)] = config
 
 
-def candidate_configs(dtype: torch.dtype, h: int, d: int) -> list[LogitsConfig | HopperConfig]:
-    """Configs worth timing on a Hopper GPU at H heads of size D: the warp-specialized kernel's
-    q pipeline depths (on sm_90) and the portable kernel's tiles, those that fit in shared
-    memory."""
+def candidate_configs(dtype: torch.dtype, h: int, d: int,
+                      capability: tuple[int, int] | None = None) -> list[LogitsConfig | HopperConfig]:
+    """Configs worth timing at H heads of size D on the current GPU (or one of ``capability``):
+    the warp-specialized kernel's q pipeline depths (on sm_90) and the portable kernel's tiles,
+    those that fit the family's shared memory."""
+    fam = _family("cuda", capability)
     elem = 1 if dtype == _FP8 else (4 if dtype == torch.float32 else 2)
     shapes = [(3, 2), (4, 2), (4, 3), (6, 3), (8, 3)]
     ws = ([c for c in [HopperConfig(*sc) for sc in shapes] +
            [HopperConfig(*sc, linear_terms=3) for sc in shapes[2:]]
-           if hopper.supports(dtype, h, d, c)] if _on_hopper() else [])
-    return ws + [c for c in _CANDIDATES
-                 if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= 200 * 1024]
+           if hopper.supports(dtype, h, d, c)] if fam == "sm_90" and hopper.AVAILABLE else [])
+    # Elsewhere than on sm_90 (whose list the recorded sweeps used) the family's default first.
+    first = [] if fam == "sm_90" else [_portable_default(dtype, d, fam)]
+    tiles = first + [c for c in _CANDIDATES if c not in first]
+    return ws + [c for c in tiles
+                 if (c.block_n * d + c.num_stages * c.block_m * d) * elem <= _SWEEP_SHARED[fam]]
 
 
 def _check_out(out: torch.Tensor, m: int, n: int) -> None:
@@ -300,7 +336,8 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
     n = out.shape[1]
     if m == 0 or n == 0:
         return out
-    cfg = config or default_config(q.dtype, h, d, paged, q.device.type)
+    cfg = config or default_config(q.dtype, h, d, paged, q.device.type,
+                                   capability(q.device) if q.is_cuda else None)
     n_steps = max(0, math.ceil(math.log2(num_reqs))) if paged and num_reqs > 1 else 0
     if isinstance(cfg, HopperConfig):
         if hopper.usable(q, kv, strides_kv, out, cfg):
@@ -313,7 +350,7 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
                 "32..128 (256 for fp8), q viewable as [M, H * D] (unit stride over H and D) "
                 "and 16-byte aligned q rows, kv rows and out; use a LogitsConfig for these "
                 "inputs")
-        cfg = _portable_default(q.dtype, d)
+        cfg = _portable_default(q.dtype, d, family(q.device) if q.is_cuda else "generic")
     spans = [cfg.block_m * max(q.stride(0), 1), cfg.block_m * max(w.stride(0), 1),
              cfg.block_m * max(out.stride(0), 1)]
     if not paged:
@@ -329,7 +366,7 @@ def _launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, paged
         H=h, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
         PAGED=paged, PAGE=page, CLEAN=clean,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **LAUNCH_OPTIONS,
     )
     return out
 

@@ -71,6 +71,7 @@ import torch
 import triton
 
 from ._device import capability, sm_count
+from ._launch import LAUNCH_OPTIONS
 from .weighted_q import split_weighted_q, w_tiles
 
 try:
@@ -758,5 +759,6 @@ def launch(q, kv, kv_scale, w, ks, ke, out, block_table, cu_kv, num_reqs, n_step
         strides_kv[0], strides_kv[1], strides_sc[0], strides_sc[1], out.stride(0), stride_bt,
         H=h, D=d, STAGES=cfg.stages, NC=cfg.consumers, PAGED=paged, PAGE=page, CLEAN=clean,
         KV_SMEM=kv_smem, KV_LOAD=kv_load, CHUNK=chunk, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, TERMS=terms, W_ROW=w_row, num_warps=4, maxnreg=maxnreg)
+        PRODUCER_REGS=producer_regs, TERMS=terms, W_ROW=w_row, num_warps=4, maxnreg=maxnreg,
+        **LAUNCH_OPTIONS)
     return out

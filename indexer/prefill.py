@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ._device import capability
 from .logits import (LogitsConfig, mqa_logits, paged_mqa_logits, row_stride_elems,
                      supported_dtypes)
 from .planner import LOGITS_ELEM_BYTES, split_prefill_chunks, split_rows
@@ -517,7 +518,8 @@ def prefill_topk(q: torch.Tensor, w: torch.Tensor, query_lens: Sequence[int],
         return out
     plan = _plan(batch, workspace_size=workspace_size, max_logits_bytes=max_logits_bytes)
     meta = _pack_metadata(batch, plan, group_offsets=isinstance(kv, PagedKV), device=q.device)
-    topk_config = topk_config or topk_default_config(k, q.device.type)
+    topk_config = topk_config or topk_default_config(
+        k, q.device.type, capability(q.device) if q.is_cuda else None)
     scratch = _topk_scratch(plan, device=q.device, config=topk_config)
     timer = _Timer(stats, q.device) if stats is not None else _UNTIMED
     scope = workspace or _arena_scope()

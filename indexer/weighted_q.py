@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import LAUNCH_OPTIONS
+
 __all__ = ["split_weighted_q", "w_tiles", "FP8_MAX"]
 
 FP8_MAX = 448.0
@@ -84,7 +86,7 @@ def split_weighted_q(q: torch.Tensor, w: torch.Tensor, terms: int,
         _split_weighted_q_kernel[(triton.cdiv(m, block_m),)](
             q, w, parts, row_scale, m, q.stride(0), q.stride(1), w.stride(0), w.stride(1),
             parts.stride(0), H=h, D=d, TERMS=terms,
-            DTYPE_MAX=_ROW_MAX.get(q.dtype, 0.0), BLOCK_M=block_m)
+            DTYPE_MAX=_ROW_MAX.get(q.dtype, 0.0), BLOCK_M=block_m, **LAUNCH_OPTIONS)
     return parts, row_scale
 
 
@@ -115,5 +117,5 @@ def w_tiles(w: torch.Tensor, scale: float, block_m: int) -> torch.Tensor:
     if m:
         _w_tiles_kernel[(triton.cdiv(m, block_m),)](
             w, wt, m, w.stride(0), w.stride(1), wt.stride(0), H=h, SCALE=scale,
-            BLOCK_M=block_m)
+            BLOCK_M=block_m, **LAUNCH_OPTIONS)
     return wt

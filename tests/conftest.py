@@ -9,8 +9,8 @@ A kernel test runs in one of three modes, named by its marker:
   interpreter tests in one child pytest with TRITON_INTERPRET=1 and reports each test's outcome
   from it. ``TRITON_INTERPRET=1 python -m pytest -m interpreter ...`` runs them in-process.
 - ``gpu``: compiled, on a CUDA device; skipped without one, and in an interpreting process.
-- ``compiled``: compiled ahead of time for sm_90 on the CPU (no GPU); skipped in an
-  interpreting process and where Triton's ptxas is missing.
+- ``compiled``: compiled ahead of time on the CPU for the GPUs of ``tests/support/aot.py``
+  (no GPU); skipped in an interpreting process and where Triton's ptxas is missing.
 """
 
 import json
@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(interpreted)
                 continue
             if compiler is None:
-                from tests.support.sm90 import unavailable
+                from tests.support.aot import unavailable
                 compiler = unavailable()
             if compiler:
                 item.add_marker(pytest.mark.skip(reason=compiler))

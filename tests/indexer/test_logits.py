@@ -1,18 +1,23 @@
 """mqa_logits and paged_mqa_logits (indexer/logits.py, the portable kernel): against the float64
-reference under the interpreter at small odd shapes, on a GPU at real shapes in bf16 and fp8,
-and compiled for sm_90 without spills."""
+reference under the interpreter at small odd shapes, on a GPU at real shapes in bf16 and fp8
+(every GPU family's tile among them), and compiled for each family's GPUs without spills; the
+tile the runtime takes by the device's compute capability."""
 
 import pytest
 import torch
+import triton
 
 from indexer import (LogitsConfig, kv_offsets, mqa_logits, paged_mqa_logits, row_stride_elems,
                      top_k_per_row)
 from indexer import logits as logits_mod
 from indexer import reference as ref
 from indexer import topk as topk_mod
+from indexer._device import family_of
+from indexer.logits_hopper import HopperConfig
 from tests.support import indexer_gpu as gpu
+from tests.support.aot import (GPUS, LOGITS_POINTERS, TRITON_DTYPE, compile_kernel, logits_ints,
+                               resources, triton_newer_than)
 from tests.support.indexer_cpu import FP32_TOL, make_inputs, make_paged, poisoned, rel_err
-from tests.support.sm90 import LOGITS_POINTERS, TRITON_DTYPE, compile_kernel, logits_ints, resources
 
 
 # --- under the interpreter -------------------------------------------------------------------
@@ -21,7 +26,8 @@ from tests.support.sm90 import LOGITS_POINTERS, TRITON_DTYPE, compile_kernel, lo
 @pytest.mark.interpreter
 @pytest.mark.parametrize("m,n,h,d", [(37, 101, 8, 32), (1, 5, 16, 16), (19, 66, 32, 64),
                                      (9, 40, 64, 32), (13, 29, 8, 128)])
-@pytest.mark.parametrize("config", [None, LogitsConfig(32, 16, 4, 2)], ids=["default", "32x16"])
+@pytest.mark.parametrize("config", [None, LogitsConfig(32, 16, 4, 2), logits_mod.FAMILY_DEFAULTS["sm_120"]],
+                         ids=["default", "32x16", "32x128"])
 def test_logits_match_reference(m, n, h, d, config):
     args = make_inputs(m, n, h, d, seed=m * 1000 + n + h)
     buf, out = poisoned(m, n)
@@ -174,34 +180,150 @@ def test_paged_equals_dense(dtype):
     assert torch.equal(dense, paged)
 
 
-# --- compiled for sm_90 ----------------------------------------------------------------------
+# Every family's tiles, run here (the H200 runs sm_90's code, not theirs): the tile's edges,
+# masks and skipped tiles at odd M and N against the exact-input reference.
+FAMILY_TILES = sorted({c for table in (logits_mod.FAMILY_DEFAULTS, logits_mod.FLOAT32_DEFAULTS)
+                       for c in table.values()}, key=str)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", FAMILY_TILES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, gpu.FP8, torch.float32], ids=["bf16", "fp8", "fp32"])
+def test_every_familys_tile_matches_the_reference(config, dtype):
+    m, n, h, d = 1531, 7919, 64, 128
+    g = gpu.gen(17)
+    q32 = torch.randn(m, h, d, generator=g, device="cuda")
+    kv32 = torch.randn(n, d, generator=g, device="cuda")
+    w = torch.randn(m, h, generator=g, device="cuda") / h ** 0.5
+    q, kv, row_scale = (q32, kv32, torch.ones(n, device="cuda")) if dtype == torch.float32 \
+        else gpu.quantize(q32, kv32, dtype)
+    kv_scale = ((torch.rand(n, generator=g, device="cuda") + 0.5) * row_scale).float()
+    ks, ke = gpu.ragged_rows(m, n, g)
+    buf = torch.full((m, row_stride_elems(n)), float("nan"), device="cuda")
+    mqa_logits(q, kv, kv_scale, w, ks, ke, buf[:, :n], config=config)
+    exact = ref.logits(q, kv, kv_scale, w, ks, ke)
+    out = buf[:, :n]
+    assert not out.isnan().any() and buf[:, n:].isnan().all()
+    assert torch.equal(torch.isinf(out), torch.isinf(exact))
+    assert rel_err(out, exact) < gpu.EXACT_TOL.get(dtype, FP32_TOL)
+
+
+# --- compiled for each target GPU --------------------------------------------------------------
+
+
+def portable_config(name, dtype, d):
+    """The portable kernel's config on target ``name``, as a launch on that device takes it."""
+    return logits_mod._portable_default(dtype, d, family_of(GPUS[name].capability))
+
+
+def compile_logits(name, dtype, d, paged, cfg, h=64):
+    t = TRITON_DTYPE[dtype]
+    ints = logits_ints(h, d, paged) if dtype != torch.float32 else logits_ints(h, d, paged, m=37, n=101)
+    return compile_kernel(
+        logits_mod._logits_kernel, dict(LOGITS_POINTERS, p_q=t, p_kv=t), ints,
+        dict(H=h, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
+             PAGED=paged, PAGE=64, CLEAN=True,
+             DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32"),
+        cfg.num_warps, cfg.num_stages, gpu=GPUS[name])
+
+
+def known_stack(name, dtype, d):
+    """Stack bytes known and kept: on Triton 3.6 (the H200's) ptxas keeps 8 bytes of sm_90's
+    tile on the stack at bf16 and D = 128 (and of its float32 tile at D = 64), the tiles of the
+    H200's recorded figures; 3.9 keeps none. (On sm_90, bf16 goes to the warp-specialized
+    kernel; this tile takes what that kernel cannot.)"""
+    return 8 if name == "sm_90" and d in (64, 128) and not triton_newer_than(3, 6) and (
+        dtype == torch.bfloat16 and d == 128 or dtype == torch.float32 and d == 64) else 0
+
+
+# fp8 products need sm_89 or later: the generic family's sm_80 compiles bf16 only, its sm_89 fp8.
+TARGET_DTYPES = [(name, dtype) for name in GPUS for dtype in (torch.bfloat16, torch.float8_e4m3fn)
+                 if not (name == "sm_80" and dtype != torch.bfloat16)
+                 and not (name == "sm_89" and dtype == torch.bfloat16)]
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("name,dtype", TARGET_DTYPES,
+                         ids=[f"{n}-{TRITON_DTYPE[t]}" for n, t in TARGET_DTYPES])
 @pytest.mark.parametrize("d", [32, 128])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_logits_kernel_compiles_for_sm90_without_spills(dtype, d, paged):
-    cfg = logits_mod.default_config(dtype, 64, d, paged)
-    t = TRITON_DTYPE[dtype]
-    kernel = compile_kernel(
-        logits_mod._logits_kernel, dict(LOGITS_POINTERS, p_q=t, p_kv=t),
-        logits_ints(64, d, paged),
-        dict(H=64, D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-             PAGED=paged, PAGE=64, CLEAN=True, DOT_PRECISION="tf32"),
-        cfg.num_warps, cfg.num_stages)
-    assert "warp_group_dot" in kernel.asm["ttgir"], "expected Hopper wgmma"
-    use = resources(kernel)
-    assert use["STACK"] == 0, f"{cfg}: spills ({use})"
+def test_each_targets_tile_compiles_without_spills_two_programs_an_sm(name, dtype, d, paged):
+    """The family's tile (FAMILY_DEFAULTS; on sm_90 a stage deeper at D <= 64) at the benchmark's 64
+    heads: the target's tensor-core products, no stack, within the block's shared memory, and
+    two programs resident on one SM (what overlaps one's relus with the other's products)."""
+    gpu = GPUS[name]
+    cfg = portable_config(name, dtype, d)
+    kernel = compile_logits(name, dtype, d, paged, cfg)
+    use, shared = resources(kernel), kernel.metadata.shared
+    print(f"logits {name} {TRITON_DTYPE[dtype]} D={d} {'paged' if paged else 'dense'} "
+          f"Triton {triton.__version__}: {cfg}, {use['REG']} registers, {use['STACK']} B stack, "
+          f"{shared / 1024:.1f} KiB shared")
+    assert gpu.mma in kernel.asm["ttgir"], f"expected {gpu.mma} products on {name}"
+    assert use["STACK"] <= known_stack(name, dtype, d), f"{name} {cfg}: spills ({use})"
+    assert shared <= gpu.shared_per_block
+    assert gpu.fits(shared, use["REG"], 32 * cfg.num_warps, programs=2), (name, cfg, use, shared)
+
+
+# sm_90's float32 tile spills at D = 128 (and at D = 64 on Triton 3.6): FLOAT32_DEFAULTS.
+FLOAT32_CASES = [(name, d) for name in GPUS for d in (64, 128) if (name, d) != ("sm_90", 128)]
 
 
 @pytest.mark.compiled
-def test_float32_logits_kernel_compiles():
-    cfg = logits_mod.default_config(torch.float32, 8, 64)
-    kernel = compile_kernel(
-        logits_mod._logits_kernel, dict(LOGITS_POINTERS, p_q="fp32", p_kv="fp32"),
-        logits_ints(8, 64, False, m=37, n=101),
-        dict(H=8, D=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages,
-             PAGED=False, PAGE=1, CLEAN=False, DOT_PRECISION="ieee"),
-        cfg.num_warps, cfg.num_stages)
-    assert resources(kernel)["STACK"] == 0
+@pytest.mark.parametrize("name,d", FLOAT32_CASES, ids=[f"{n}-D{d}" for n, d in FLOAT32_CASES])
+def test_float32_logits_kernel_compiles_for_each_target(name, d):
+    cfg = portable_config(name, torch.float32, d)
+    kernel = compile_logits(name, torch.float32, d, False, cfg, h=8)
+    assert resources(kernel)["STACK"] <= known_stack(name, torch.float32, d), f"{name} {cfg}: spills"
+    assert kernel.metadata.shared <= GPUS[name].shared_per_block
+
+
+def test_the_runtime_takes_the_tile_of_the_devices_family():
+    """default_config by compute capability, as _launch asks it with the device's: sm_90 keeps
+    the warp-specialized kernel (bf16, fp8) and its portable tile for float32; B200 and B300,
+    the RTX 50 series and GB10, and everything else get their family's tile; a tile chosen with
+    set_config wins everywhere."""
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    defaults = logits_mod.FAMILY_DEFAULTS
+    if logits_mod.hopper.AVAILABLE:
+        assert isinstance(logits_mod.default_config(bf16, 64, 128, capability=(9, 0)), HopperConfig)
+    assert logits_mod.default_config(torch.float32, 8, 64, capability=(9, 0)) == LogitsConfig(32, 64, 4, 2)
+    assert logits_mod.default_config(bf16, 64, 64, capability=(9, 0)) == HopperConfig(3) or \
+        not logits_mod.hopper.AVAILABLE
+    assert logits_mod._portable_default(bf16, 64, "sm_90") == LogitsConfig(64, 128, 4, 4)
+    assert defaults["sm_90"] == LogitsConfig(64, 128, 4, 3), "the H200's recorded figures use this tile"
+    for cap, family in [((10, 0), "sm_100"), ((10, 3), "sm_100"), ((12, 0), "sm_120"),
+                        ((12, 1), "sm_120"), ((8, 0), "generic"), ((8, 9), "generic"),
+                        ((11, 0), "generic"), ((9, 0), "sm_90")]:
+        tile = defaults[family]
+        assert logits_mod._portable_default(bf16, 128, family_of(cap)) == tile
+        if family != "sm_90":
+            assert logits_mod.default_config(fp8, 64, 128, capability=cap) == tile
+            assert logits_mod.default_config(bf16, 64, 64, paged=True, capability=cap) == tile
+            assert logits_mod.default_config(torch.float32, 8, 128, capability=cap) == LogitsConfig(32, 32, 4, 2)
+    pinned = LogitsConfig(64, 64, 4, 3)
+    logits_mod.set_config(bf16, 64, 128, False, pinned)
+    try:
+        assert logits_mod.default_config(bf16, 64, 128, capability=(12, 1)) == pinned
+    finally:
+        logits_mod.set_config(bf16, 64, 128, False, None)
+    assert defaults["sm_100"] == defaults["sm_120"] != defaults["sm_90"]
+
+
+def test_the_sweep_keeps_what_fits_each_familys_shared_memory():
+    """candidate_configs: on sm_90 the portable tiles its recorded sweeps timed; elsewhere the
+    family's default first, and every tile's estimate within the family's shared memory."""
+    def tiles(dtype, cap):
+        return [c for c in logits_mod.candidate_configs(dtype, 64, 128, capability=cap)
+                if isinstance(c, LogitsConfig)]
+    for dtype in (torch.bfloat16, torch.float32):  # as before the families: within 200 KiB
+        assert tiles(dtype, (9, 0)) == [
+            c for c in logits_mod._CANDIDATES
+            if (c.block_n + c.num_stages * c.block_m) * 128 * dtype.itemsize <= 200 * 1024]
+    for cap in [(10, 0), (12, 1), (8, 6)]:
+        family = family_of(cap)
+        for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+            found = tiles(dtype, cap)
+            assert found[0] == logits_mod._portable_default(dtype, 128, family)
+            assert all((c.block_n + c.num_stages * c.block_m) * 128 * dtype.itemsize
+                       <= logits_mod.SHARED_PER_BLOCK[family] for c in found)
+    assert len(tiles(torch.float32, (12, 1))) < len(tiles(torch.float32, (10, 0)))

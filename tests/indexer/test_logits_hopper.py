@@ -13,8 +13,9 @@ from indexer import reference as ref
 from indexer.logits_hopper import HopperConfig
 from tests.support import indexer_gpu as gpu
 from tests.support.indexer_cpu import rel_err
-from tests.support.sm90 import (LOGITS_POINTERS, TARGET, TRITON_DTYPE, product_loops, resources,
-                                spill_ops)
+from indexer._launch import LAUNCH_OPTIONS
+from tests.support.aot import (LOGITS_POINTERS, TARGET, TRITON_DTYPE, product_loops, resources,
+                               spill_ops)
 
 
 # --- the configuration -----------------------------------------------------------------------
@@ -251,7 +252,8 @@ def compile_hopper_kernel(dtype, d, h, paged, cfg):
         src = GluonASTSource(fn, signature, consts, attrs)
     except TypeError as e:  # this Triton describes kernels differently; not a kernel bug
         pytest.skip(f"GluonASTSource API differs in Triton {triton.__version__}: {e}")
-    return triton.compile(src, target=TARGET, options=dict(num_warps=4, maxnreg=maxnreg))
+    return triton.compile(src, target=TARGET,
+                          options=dict(LAUNCH_OPTIONS, num_warps=4, maxnreg=maxnreg))
 
 
 # The configs the defaults and the sweep choose from: their product loops must hold no spill

@@ -1,6 +1,7 @@
 """top_k_per_row (indexer/topk.py): every path of the kernel (short, direct, sampled, radix,
 refined, ties) against the exact set under the interpreter, long rows on a GPU, and the kernel
-and the sweep's candidates compiled for sm_90 without spills."""
+and the sweep's candidates compiled for sm_90 without spills (the default for sm_100 and GB10's
+sm_121 too)."""
 
 import dataclasses
 
@@ -16,7 +17,7 @@ from indexer import topk as topk_mod
 from indexer.topk import (PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_SAMPLED, PATH_SHORT,
                           PATH_TIES, default_config, scratch_elems)
 from tests.support import indexer_gpu as gpu
-from tests.support.sm90 import compile_kernel, innermost_loops, resources, spill_ops
+from tests.support.aot import GPUS, compile_kernel, innermost_loops, resources, spill_ops
 
 
 # --- under the interpreter -------------------------------------------------------------------
@@ -220,7 +221,7 @@ def test_topk_gpu_defaults_on_long_rows():
     x[3] = torch.randint(0, 2000, (n,), generator=g).float()   # ties inside the list
     ks = torch.tensor([0, 3, 0, 5], dtype=torch.int32)
     ke = torch.tensor([n, n - 7, n, 60000], dtype=torch.int32)
-    _, path = check_topk(x, ks, ke, k, config=default_config(k, "cuda"))
+    _, path = check_topk(x, ks, ke, k, config=default_config(k, "cuda", (9, 0)))
     assert path.tolist() == [PATH_SAMPLED, PATH_SAMPLED, PATH_TIES, PATH_SAMPLED]
 
 
@@ -353,7 +354,7 @@ def test_topk_long_rows_ties_and_paths(sampled):
     assert counts["refined"] <= 10, "pass 1 should rarely need a second read"
 
 
-# --- compiled for sm_90 ----------------------------------------------------------------------
+# --- compiled ahead of time ----------------------------------------------------------------------
 
 
 def assert_row_passes_do_not_spill(kernel, cfg):
@@ -368,7 +369,7 @@ def assert_row_passes_do_not_spill(kernel, cfg):
         f"{cfg}: spill loads/stores per row-pass loop {spills}")
 
 
-def compile_topk(k, cfg):
+def compile_topk(k, cfg, gpu=GPUS["sm_90"]):
     """The top-k kernel as top_k_per_row launches it over [4096, 65536] logits: its constexprs
     and the register cap that lets ``programs_per_sm`` programs share an SM."""
     fn = topk_mod._topk_kernel
@@ -377,28 +378,46 @@ def compile_topk(k, cfg):
     constexprs = dict(topk_mod._launch_constants(cfg, k), WITH_PATH=False)
     options = {name: constexprs.pop(name) for name in ("num_warps", "maxnreg")}
     ints = dict(M=4096, N=65536, stride_xm=65536, stride_om=k)
-    return compile_kernel(fn, pointers, ints, constexprs, **options)
+    return compile_kernel(fn, pointers, ints, constexprs, gpu=gpu, **options)
 
 
+def test_the_default_fits_each_familys_shared_memory():
+    """Four programs an SM of four pipeline stages where the SM has 228 KiB (sm_90, sm_100),
+    three stages where it has 100 (sm_120, GB10's sm_121, and the generic family's); the sweep
+    starts from the device's default and times the other depth too."""
+    for cap, stages in [((9, 0), 4), ((10, 0), 4), ((10, 3), 4), ((12, 0), 3), ((12, 1), 3),
+                        ((8, 9), 3), ((8, 0), 3)]:
+        cfg = default_config(2048, "cuda", cap)
+        assert (cfg.stages, cfg.programs_per_sm) == (stages, 4), cap
+        assert cfg == dataclasses.replace(default_config(2048, "cuda", (9, 0)), stages=stages)
+        sweep = topk_mod.sweep_configs(2048, cap)
+        assert sweep[0] == cfg and len(set(sweep)) == len(sweep)
+        assert {c.stages for c in sweep} == {3, 4}
+
+
+# The default on each family's GPU: sm_121 (GB10) and the generic family's sm_89 have 100 KiB
+# of shared memory an SM, where four programs of four stages do not fit (default_config).
 @pytest.mark.compiled
-@pytest.mark.parametrize("k", [2048, 512])
-def test_topk_kernel_compiles_for_sm90_without_spills(k):
-    cfg = topk_mod.default_config(k)
-    kernel = compile_topk(k, cfg)
+@pytest.mark.parametrize("name,k", [("sm_90", 2048), ("sm_90", 512), ("sm_100", 2048),
+                                    ("sm_121", 2048), ("sm_89", 2048)])
+def test_topk_kernel_compiles_without_spills_all_programs_resident(name, k):
+    gpu = GPUS[name]
+    cfg = topk_mod.default_config(k, capability=gpu.capability)
+    kernel = compile_topk(k, cfg, gpu)
     use = resources(kernel)
-    print(f"top-k k={k} Triton {triton.__version__}: {use['REG']} registers a thread "
+    print(f"top-k {name} k={k} Triton {triton.__version__}: {use['REG']} registers a thread "
           f"(cap {topk_mod.max_registers(cfg)}), {kernel.metadata.shared} B shared, {cfg}")
-    assert_row_passes_do_not_spill(kernel, cfg)
     # every program of the persistent grid must be resident at once
-    assert use["REG"] * 32 * cfg.num_warps * cfg.programs_per_sm <= 65536, use
-    assert kernel.metadata.shared * cfg.programs_per_sm <= 228 * 1024
+    assert gpu.fits(kernel.metadata.shared, use["REG"], 32 * cfg.num_warps, cfg.programs_per_sm), (
+        use, kernel.metadata.shared)
     assert "cp.async" in kernel.asm["ptx"], "expected the row passes' loads pipelined"
+    assert_row_passes_do_not_spill(kernel, cfg)
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("index", range(len(topk_mod.sweep_configs(2048))))
+@pytest.mark.parametrize("index", range(len(topk_mod.sweep_configs(2048, (9, 0)))))
 def test_topk_sweep_candidates_compile_without_spills(index):
-    cfg = topk_mod.sweep_configs(2048)[index]
+    cfg = topk_mod.sweep_configs(2048, (9, 0))[index]
     kernel = compile_topk(2048, cfg)
     use = resources(kernel)
     print(f"top-k sweep {index} Triton {triton.__version__}: {use['REG']} registers a thread "

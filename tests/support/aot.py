@@ -1,7 +1,8 @@
-"""Compiling the GPU kernels ahead of time for Hopper (sm_90) on the CPU, with the ptxas that
-ships in Triton's wheel, and reading the result (registers, stack, the SASS of the innermost
-loops). No GPU is needed; what this cannot show is speed or numerical results. The tests that
-use it are marked ``compiled``; ``unavailable()`` says why they cannot run here, if they cannot.
+"""Compiling the GPU kernels ahead of time on the CPU for each target GPU (sm_90, sm_100, sm_120,
+sm_121 and the generic family's sm_80 and sm_89), with the ptxas that ships in Triton's wheel,
+and reading the result (registers, stack, shared memory, the SASS of the innermost loops). No GPU
+is needed; what this cannot show is speed or numerical results. The tests that use it are marked
+``compiled``; ``unavailable()`` says why they cannot run here, if they cannot.
 """
 
 import os
@@ -9,6 +10,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 import triton
 
 from indexer import logits as logits_mod
+from indexer._launch import LAUNCH_OPTIONS
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -27,10 +30,11 @@ else:
     _IMPORT_ERROR = ""
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+KiB = 1024
 
 
 def unavailable() -> str:
-    """Why the kernels cannot be compiled for sm_90 here; empty when they can."""
+    """Why the kernels cannot be compiled here; empty when they can."""
     if _IMPORT_ERROR:
         return _IMPORT_ERROR
     if not (BIN / "ptxas").exists():
@@ -38,14 +42,49 @@ def unavailable() -> str:
     return ""
 
 
+@dataclass(frozen=True)
+class Gpu:
+    """A compile target: its compute capability, what its SMs offer (shared memory a block may
+    take and what all of an SM's blocks share, from the CUDA programming guide's table; each
+    block also takes 1 KiB of the SM's for the system) and the MMA that Triton's TTGIR shows."""
+    capability: tuple[int, int]
+    shared_per_block: int
+    shared_per_sm: int
+    mma: str
+    registers_per_sm: int = 65536
+
+    @property
+    def arch(self) -> int:
+        return self.capability[0] * 10 + self.capability[1]
+
+    def fits(self, shared: int, registers: int, threads: int, programs: int) -> bool:
+        """Whether ``programs`` blocks of ``threads`` threads, each taking ``shared`` bytes and
+        ``registers`` registers a thread (allocated 256 a warp at a time), are resident at once."""
+        warp_registers = -(-registers * 32 // 256) * 256
+        return (programs * (shared + KiB) <= self.shared_per_sm
+                and programs * threads // 32 * warp_registers <= self.registers_per_sm)
+
+
+MMA_V2 = "versionMajor = 2"  # mma.sync, Ampere's tensor-core instruction
+GPUS = {
+    "sm_90": Gpu((9, 0), 227 * KiB, 228 * KiB, "warp_group_dot"),
+    "sm_100": Gpu((10, 0), 227 * KiB, 228 * KiB, "tc_gen5_mma"),
+    "sm_120": Gpu((12, 0), 99 * KiB, 100 * KiB, MMA_V2),
+    "sm_121": Gpu((12, 1), 99 * KiB, 100 * KiB, MMA_V2),  # GB10 (DGX Spark)
+    # The generic family: Ampere's 163 KiB and Ada's 99; fp8 products need Ada (sm_89).
+    "sm_80": Gpu((8, 0), 163 * KiB, 164 * KiB, MMA_V2),
+    "sm_89": Gpu((8, 9), 99 * KiB, 100 * KiB, MMA_V2),
+}
+SM90 = GPUS["sm_90"]
 TARGET = GPUTarget("cuda", 90, 32) if GPUTarget else None
 TRITON_DTYPE = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv"}
 
 
-def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3, **options):
+def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3, gpu=SM90,
+                   **options):
     """Compile like a launch would: ints equal to 1 become constants and ints divisible by 16
-    carry that divisibility (Triton's default specialization), pointers are 16-byte aligned.
-    ``options`` go to the compiler as a launch's would (e.g. maxnreg)."""
+    carry that divisibility (Triton's default specialization), pointers are 16-byte aligned,
+    and the options every launch passes (indexer/_launch.py) go with ``options`` (e.g. maxnreg)."""
     signature, consts, attrs = {}, dict(constexprs), {}
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -64,8 +103,9 @@ def compile_kernel(fn, pointer_types, ints, constexprs, num_warps, num_stages=3,
         src = ASTSource(fn, signature, consts, attrs)
     except TypeError as e:  # this Triton describes kernels differently; not a kernel bug
         pytest.skip(f"ASTSource API differs in Triton {triton.__version__}: {e}")
-    return triton.compile(src, target=TARGET,
-                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+    return triton.compile(src, target=GPUTarget("cuda", gpu.arch, 32),
+                          options=dict(LAUNCH_OPTIONS, num_warps=num_warps, num_stages=num_stages,
+                                       **options))
 
 
 LOGITS_POINTERS = dict(p_kv_scale="fp32", p_w="fp32", p_ks="i32", p_ke="i32", p_out="fp32",
@@ -91,10 +131,17 @@ def _cuobjdump(kernel, flag: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True,
-                              check=True).stdout
+        done = subprocess.run([str(tool), flag, f.name], capture_output=True, text=True)
     finally:
         os.unlink(f.name)
+    if done.returncode != 0:  # Triton 3.6's cuobjdump (CUDA 12.8) cannot read sm_121's SASS
+        pytest.skip(f"the cuobjdump of Triton {triton.__version__} cannot read this cubin "
+                    f"({flag}): {done.stderr.strip()[-200:]}")
+    return done.stdout
+
+
+def triton_newer_than(major: int, minor: int) -> bool:
+    return tuple(int(v) for v in triton.__version__.split(".")[:2]) > (major, minor)
 
 
 def resources(kernel) -> dict:
