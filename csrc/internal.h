@@ -157,8 +157,8 @@ static inline void _ia_stat_fold(ia_stat_t *s, const _ia_delta_t *d) {
 
 /* A quantity summed over several arenas (one device's pools), kept exact with atomics so that a
  * device-wide peak is a true peak and not a sum of per-arena peaks (the sums of increases and
- * decreases add up exactly from the arenas' own). Relaxed, on a weakly ordered CPU (Arm) too: a
- * total is a count that statistics read, and no thread reads other data because of its value. */
+ * decreases add up exactly from the arenas' own). Relaxed on Arm too: no thread reads other data
+ * because of a total's value. */
 typedef struct {
   _Atomic int64_t current, peak;
 } _ia_total_t;
@@ -178,9 +178,8 @@ typedef struct ia_totals {
    * under each arena's own lock, so two arenas growing at once can pass it by one region. */
   _Atomic uint64_t limit;
   /* Streams of the device capturing CUDA graphs now (begun and not ended allocate-to-pool scopes):
-   * while any do, no arena watching it gives memory back to the backend. A count, not a flag over
-   * data: the frees it holds back are handed over under the device's graph lock (graphs.c), so a
-   * free's unlocked relaxed look at it needs no stronger order on Arm. */
+   * while any do, no arena watching it gives memory back. The frees it holds back pass under the
+   * graph lock (graphs.c), so a free's relaxed look at it needs no stronger order on Arm. */
   _Atomic int captures;
 } ia_totals_t;
 /* Also watches the group's capture count (below). */
@@ -226,31 +225,26 @@ bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
 /* A mapping arena's pages become reachable from device `peer` (IA_OK and nothing else otherwise). */
 ia_status_t _ia_arena_grant_access(ia_arena_t *arena, int peer);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
-/* Called for every free while a pool of the device allocates: the pools allocating keep a graph
- * pool whose block this is (graphs.c), and a free that must wait for the captures' end is held;
- * true when held. */
+/* Every free while a pool allocates: keeps its graph pool (graphs.c); true when held for later. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
 /* Frees a live block of `arena` on its own stream, saying on stderr when that is refused; a released
  * graph pool then gives back what came free. */
 void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
 void _ia_graph_flush_arenas(int device);
-/* A MemPool's allocator (NULL: none) and whether its blocks split; under the graphs' lock. */
+/* A MemPool's allocator (NULL: none) and no_split, under the graphs' lock; an eager request that
+ * failed, served from a free block of a use_on_oom MemPool (NULL: none). */
 const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *pool, bool *no_split);
-/* An eager request that failed, served from a free block of a use_on_oom MemPool (NULL: none). */
 void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind);
-/* A backend whose reservations come from a MemPool's allocator; events from `events`, which it owns. */
-ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int device, ia_stream_t stream,
-                                    ia_backend_t *events, ia_backend_t **out);
 void _ia_graph_pools_flush_events(int device);
 void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
 /* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */
 void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
                           void *ctx);
-/* Adds the counters of the device's graph pools' arenas of `kind` (-1: small and large), carve-outs
- * left out. */
-void _ia_graph_add_stats(int device, int kind, ia_stats_t *sum);
-/* A backend whose reservations are blocks of `parent` taken on `stream`; events come from
- * `events`, which it owns. */
+void _ia_graph_add_stats(int device, int kind, ia_stats_t *sum); /* arenas of `kind` (-1: both) */
+/* Backends whose reservations are blocks of `parent` taken on `stream`, or come from a MemPool's
+ * allocator; events come from `events`, which each owns. */
+ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int device, ia_stream_t stream,
+                                    ia_backend_t *events, ia_backend_t **out);
 ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,
                                      ia_backend_t **out);
 
@@ -425,7 +419,6 @@ void _ia_tcache_orphan(_ia_tcache_t *c);
 void _ia_tcache_registry_lock(void);
 void _ia_tcache_registry_unlock(void);
 
-/* A new empty ring of `capacity` events in place of the old one. */
 ia_status_t _ia_trace_resize(ia_trace_t *trace, size_t capacity);
 void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t device, uint8_t pool,
                       uintptr_t address, uint64_t size, ia_stream_t stream);
