@@ -502,6 +502,9 @@ typedef struct ia_pool_allocator {
   void *ctx;
 } ia_pool_allocator_t;
 ia_status_t ia_graph_set_allocator(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
+/* MemPool.empty_cache(), and a MemPool's end: the pool's fully free regions go back (its own
+ * allocator's, to it); nothing while a stream of the device captures. */
+void ia_graph_empty_cache(int device, ia_pool_id_t id);
 /* MemPool(no_split=True), set before the pool first allocates: its arenas split no block. */
 ia_status_t ia_graph_set_no_split(int device, ia_pool_id_t id);
 /* MemPool(use_on_oom=True): an eager request the general pools cannot serve takes a free block of
@@ -553,6 +556,7 @@ typedef struct ia_torch_entry_points {
   ia_status_t (*graph_set_allocator)(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
   ia_status_t (*graph_set_no_split)(int device, ia_pool_id_t id);
   ia_status_t (*graph_set_use_on_oom)(int device, ia_pool_id_t id, bool use_on_oom);
+  void (*graph_empty_cache)(int device, ia_pool_id_t id);
   ia_status_t (*graph_begin)(int device, ia_pool_id_t id);
   ia_status_t (*graph_end)(int device, ia_pool_id_t id);
   ia_status_t (*graph_incref)(int device, ia_pool_id_t id);

@@ -285,6 +285,16 @@ void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int ki
   return out;
 }
 
+void ia_graph_empty_cache(int device, ia_pool_id_t id) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g || ia_graph_captures(device) > 0) return;
+  pthread_mutex_lock(&g->lock);
+  graph_pool_t *p = find_pool(g, id);
+  if (p) FOR_EACH_ARENA(p, k, a) ia_arena_release_cached(a);
+  if (p) trim_released(g, p);
+  pthread_mutex_unlock(&g->lock);
+}
+
 int ia_graph_captures(int device) {
   ia_totals_t *t = _ia_plugin_totals(device);
   return t ? atomic_load(&t->captures) : 0;

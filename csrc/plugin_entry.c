@@ -102,6 +102,10 @@ double ia_torch_get_memory_fraction(int device) {
   pthread_mutex_lock(&_ia_plugin.lock);
   double fraction = slot->fraction_set ? slot->fraction : 1.0;
   pthread_mutex_unlock(&_ia_plugin.lock);
+  size_t free_bytes, total;
+  /* As PyTorch answers: the bytes allowed over the device's memory. */
+  if (fraction < 1.0 && ia_cuda_mem_info(device, &free_bytes, &total) == IA_OK && total)
+    fraction = (double)(uint64_t)(fraction * (double)total) / (double)total;
   return fraction;
 }
 
@@ -138,6 +142,7 @@ static const ia_torch_entry_points_t entry_points = {
     .graph_set_allocator = ia_graph_set_allocator,
     .graph_set_no_split = ia_graph_set_no_split,
     .graph_set_use_on_oom = ia_graph_set_use_on_oom,
+    .graph_empty_cache = ia_graph_empty_cache,
     .graph_begin = ia_graph_begin,
     .graph_end = ia_graph_end,
     .graph_incref = ia_graph_incref,

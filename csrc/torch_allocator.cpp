@@ -70,6 +70,7 @@ History history;
 thread_local Context op_context;           // the stack of this thread's allocation or free under way
 thread_local MempoolId_t op_pool{0, 0};    // the graph pool it allocates to
 thread_local bool attaching = false;       // the core replays the regions it holds: not history
+thread_local std::vector<std::string> compile_contexts;  // torch.compile's regions this thread is in
 
 // Gathers this thread's stack for the operation it starts when history wants one at `level`.
 struct OpScope {
@@ -103,7 +104,7 @@ void record(cda::TraceEntry::Action action, int device, uintptr_t addr, size_t s
     metadata = "indexer-arena CUDA graph pool";
   trace.emplace_back(action, static_cast<c10::DeviceIndex>(device), addr, size, stream, pool,
                      c10::getApproximateTime(), history.when >= cda::RecordContext::ALLOC ? std::move(ctx) : nullptr,
-                     "", std::move(metadata));
+                     compile_contexts.empty() ? "N/A" : compile_contexts.back(), std::move(metadata));
   while (history.max_entries && trace.size() > history.max_entries) trace.pop_front();
 }
 
@@ -126,15 +127,15 @@ void on_event(void*, const ia_trace_event_t* e) {
       record(A::FREE_REQUESTED, e->device, e->address, e->size, stream, op_context, {0, 0}, e->pool);
       record(A::FREE_COMPLETED, e->device, e->address, e->size, stream, op_context, {0, 0}, e->pool);
       break;
-    case IA_TRACE_RESERVE:
-      if (history.when >= cda::RecordContext::STATE) history.segment_context[e->address] = op_context;
-      record(mapped ? A::SEGMENT_MAP : A::SEGMENT_ALLOC, e->device, e->address, e->size, stream, op_context, op_pool,
-             e->pool);
+    case IA_TRACE_RESERVE:  // PyTorch keeps a segment's stack only when recording them all
+      if (history.when == cda::RecordContext::ALL) history.segment_context[e->address] = op_context;
+      record(mapped ? A::SEGMENT_MAP : A::SEGMENT_ALLOC, e->device, e->address, e->size, stream,
+             history.when == cda::RecordContext::ALL ? op_context : nullptr, op_pool, e->pool);
       break;
     case IA_TRACE_RELEASE:
       history.segment_context.erase(e->address);
-      record(mapped ? A::SEGMENT_UNMAP : A::SEGMENT_FREE, e->device, e->address, e->size, stream, op_context,
-             {0, 0}, e->pool);
+      record(mapped ? A::SEGMENT_UNMAP : A::SEGMENT_FREE, e->device, e->address, e->size, stream,
+             history.when == cda::RecordContext::ALL ? op_context : nullptr, {0, 0}, e->pool);
       break;
     default:  // a refusal: the out-of-memory entry is recorded where the error is raised
       break;
@@ -258,7 +259,6 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
       : CUDAPluggableAllocator(
             [](size_t, int, cudaStream_t) -> void* { TORCH_CHECK(false, "indexer-arena: unreachable alloc"); },
             [](void*, size_t, int, cudaStream_t) { TORCH_CHECK(false, "indexer-arena: unreachable free"); }) {
-    set_reset_fn([] { core->empty_cache(); });
     set_memory_fraction_fn([](double fraction, int device) { core->memory_fraction(fraction, device); });
     set_record_stream_fn([](void* ptr, cudaStream_t stream) { core->record_stream(ptr, stream); });
   }
@@ -478,6 +478,21 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     }
     out.config_metadata.last_allocator_settings = "indexer-arena";
     return out;
+  }
+
+  void pushCompileContext(std::string& md) override { compile_contexts.push_back(md); }
+  void popCompileContext() override {
+    if (!compile_contexts.empty()) compile_contexts.pop_back();
+  }
+
+  // torch.cuda.empty_cache() (pool {0, 0}), MemPool.empty_cache() and a MemPool's end (its id).
+  void emptyCache(MempoolId_t mempool_id) override {
+    OpScope scope(cda::RecordContext::ALL);
+    if (mempool_id.first || mempool_id.second) {
+      for (int d = 0; d < c10::cuda::device_count(); d++) core->graph_empty_cache(d, to_id(mempool_id));
+      return;
+    }
+    core->empty_cache();
   }
 
   void setUserMetadata(const std::string& metadata) override {

@@ -13,9 +13,12 @@ selected test that passes under PyTorch's allocator passes under the arena.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -83,14 +86,20 @@ def select(ids: list[str], groups: list[str], pattern: str | None) -> dict[str, 
 def run_one(tests: Path, node: str, allocator: str, timeout: float) -> dict:
     """One test under one allocator in a fresh process: its outcome and the tail of its output."""
     t0 = time.monotonic()
+    # Tests that build C++ extensions build them under one name: children side by side would load
+    # each other's half-written or other-variant builds, so each builds in a folder of its own.
+    extensions = tempfile.mkdtemp(prefix="torch_tests_ext_")
     try:
-        done = subprocess.run([sys.executable, "-c", PRELUDE[allocator] + RUN, *pytest_args(tests), "-rA", "-x", node], capture_output=True,
-                              text=True, timeout=timeout, cwd=tests.parent)
+        done = subprocess.run([sys.executable, "-c", PRELUDE[allocator] + RUN, *pytest_args(tests), "-rA", "-x", node],
+                              capture_output=True, text=True, timeout=timeout, cwd=tests.parent,
+                              env={**os.environ, "TORCH_EXTENSIONS_DIR": extensions})
         out = done.stdout + done.stderr
         outcome = outcome_of(out, done.returncode)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         outcome = "timeout"
+    finally:
+        shutil.rmtree(extensions, ignore_errors=True)
     return {"test": node, "allocator": allocator, "outcome": outcome, "seconds": round(time.monotonic() - t0, 1),
             "tail": "" if outcome in ("passed", "skipped") else out[-4000:]}
 

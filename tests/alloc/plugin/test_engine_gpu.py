@@ -95,7 +95,7 @@ def test_release_and_reserve_move_the_devices_free_memory_by_the_budget(scope):
     out = run(f"""
 alloc.install(alloc.Config(budget_mb=256), scope={scope!r})
 torch.cuda.init()
-torch.empty(1, device="cuda")
+torch.ones(1, device="cuda") + torch.full((1,), 3.0, device="cuda")  # kernels loaded before measuring
 def free():
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]

@@ -502,3 +502,22 @@ check(use, other)
 print("ok")
 """)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+def test_a_pools_empty_cache_gives_back_its_free_regions_and_no_one_elses():
+    run("""
+p = pool(0, 45)
+assert lib.ia_graph_incref(0, p[0]) == lib.IA_OK       # a MemPool, held
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+kept, gone = alloc(4 * MiB, 3, p), alloc(30 * MiB, 3, p)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+free(gone)
+free(alloc(30 * MiB, 3))                                # an eager region, now free
+eager = eager_stats().capacity
+held = info(p).capacity
+lib.ia_graph_empty_cache(0, p[0])
+assert info(p).capacity == held - 30 * MiB and info(p).in_use == 4 * MiB
+assert eager_stats().capacity == eager - 30 * MiB       # only the pool's region went
+free(kept)
+check(p)
+""")

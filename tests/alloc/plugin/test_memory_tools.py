@@ -161,7 +161,8 @@ import ctypes, subprocess, os
 so = {str(tmp_path / "my_alloc.so")!r}
 if not os.path.exists(so):
     subprocess.run(["cc", "-shared", "-fPIC", "-o", so, {str(source)!r}, "-ldl"], check=True)
-os.environ["TEST_CUDART"] = alloc.plugin.loaded_cudart() or "libcudart.so"
+from alloc.plugin import loaded_cudart
+os.environ["TEST_CUDART"] = loaded_cudart() or "libcudart.so"
 lib = ctypes.CDLL(so)
 mine = torch.cuda.memory.CUDAPluggableAllocator(so, "my_alloc", "my_free")
 out = {{}}
