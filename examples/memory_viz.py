@@ -8,7 +8,8 @@ own traces.
     python examples/memory_viz.py DIR [--prompt-tokens N] [--max-entries N]   # on a GPU
     python examples/memory_viz.py DIR --render                                # from DIR's snapshots
 
-Writes DIR/<allocator>.pickle (with a GPU), DIR/<allocator>.html and DIR/memory_viz.png.
+Writes DIR/<allocator>.pickle (with a GPU), DIR/<allocator>.html and DIR/memory_viz.png;
+examples/memory_viz/ holds those of an H200 at --prompt-tokens 166400 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
