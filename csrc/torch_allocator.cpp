@@ -280,10 +280,12 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     if (size == 0) return nullptr;
     MempoolId_t route{0, 0};
     if (routing_.load(std::memory_order_acquire) > 0) {
+      // The pool begun last wins, as in PyTorch: use_mem_pool blocks nest, and each inner pool
+      // takes the thread's allocations until it ends.
       std::lock_guard<std::mutex> lock(routes_mutex_);
-      for (auto& r : routes_)
-        if (r.device == device && r.filter(stream)) {
-          route = r.id;
+      for (auto r = routes_.rbegin(); r != routes_.rend(); ++r)
+        if (r->device == device && r->filter(stream)) {
+          route = r->id;
           break;
         }
     }
