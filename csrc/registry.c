@@ -1,4 +1,6 @@
-/* Which arena owns an address: every region of the plugin's arenas, sorted by base, under a lock.
+/* Which arena owns an address: every region of the plugin's arenas, sorted by base, under a
+ * readers-writer lock: every free of the process looks here, from any thread, and lookups do not
+ * wait for each other.
  *
  * PyTorch frees by pointer alone, so the plugin finds the owner here instead of keeping a map of
  * every live pointer: a lookup is a binary search over the regions (a handful once the general
@@ -19,10 +21,10 @@ typedef struct {
 } entry_t;
 
 static struct {
-  pthread_mutex_t lock;
+  pthread_rwlock_t lock;
   entry_t *items;
   size_t count, cap;
-} reg = {.lock = PTHREAD_MUTEX_INITIALIZER};
+} reg = {.lock = PTHREAD_RWLOCK_INITIALIZER};
 
 /* Index of the first entry ordered after (base, end): by base, and the larger of two nested
  * regions with one base first. */
@@ -61,22 +63,22 @@ static void drop(ia_arena_t *arena, uintptr_t base, uintptr_t end) {
 }
 
 void _ia_registry_hook(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size, bool added) {
-  pthread_mutex_lock(&reg.lock);
+  pthread_rwlock_wrlock(&reg.lock);
   if (added) add(arena, (const _ia_owner_t *)ctx, base, base + size);
   else drop(arena, base, base + size);
-  pthread_mutex_unlock(&reg.lock);
+  pthread_rwlock_unlock(&reg.lock);
 }
 
 ia_arena_t *_ia_registry_find(const void *ptr, const _ia_owner_t **owner) {
   uintptr_t p = (uintptr_t)ptr;
   ia_arena_t *found = NULL;
-  pthread_mutex_lock(&reg.lock);
+  pthread_rwlock_rdlock(&reg.lock);
   /* Entries at or before p, latest base first: the first that holds p is the innermost. */
   for (size_t i = position(p, 0); i > 0 && !found; i--)
     if (p < reg.items[i - 1].end) {
       found = reg.items[i - 1].arena;
       *owner = reg.items[i - 1].owner;
     }
-  pthread_mutex_unlock(&reg.lock);
+  pthread_rwlock_unlock(&reg.lock);
   return found;
 }
