@@ -12,8 +12,8 @@
  * of blocks, so a search costs the same whatever the number of free blocks. Best fit rather than
  * TLSF's good fit, because the general pools serve every tensor of a serving process: taking a
  * block from a larger class when the request's own class has one that fits splits large blocks
- * for small requests, and measured on a Llama-style decode it held 18% more memory than PyTorch's
- * own best-fit allocator. A request is refused only when no free block can hold it.
+ * for small requests, and on a Llama-style decode held more memory than PyTorch's own best-fit
+ * allocator (benchmarks/RESULTS.md). A request is refused only when no free block can hold it.
  * Freed blocks merge with free neighbours at once, which keeps the arena one block when idle: the
  * growing-request pattern of a chunked prefill always finds the whole budget free.
  *
