@@ -23,27 +23,40 @@ bool ia_memory_is_unified(const ia_memory_attributes_t *a) { return a->integrate
 
 const char *ia_guard_last_message(void) { return last_message; }
 
-/* Reads one unsigned number from a file such as memory.max; "max" reads as no limit (0). */
-static bool read_limit_file(const char *path, uint64_t *out) {
+/* One cgroup file such as memory.max: "max" (no limit, read as 0) or a decimal number of bytes,
+ * each alone on its line. Anything else, a sign, a number past 64 bits, text after the
+ * digits, is refused naming the file rather than read as whatever strtoull makes of it ("-5" was
+ * 2**64 - 5, no limit). 1 read, 0 absent (the other layout may be there), -1 malformed. */
+static int read_limit_file(const char *path, uint64_t *out) {
   FILE *f = fopen(path, "r");
-  if (!f) return false;
+  if (!f) return 0;
   char text[64] = {0};
   bool ok = fgets(text, sizeof text, f) != NULL;
   fclose(f);
-  if (!ok) return false;
-  if (strncmp(text, "max", 3) == 0) {
+  text[strcspn(text, "\r\n")] = '\0';
+  if (ok && strcmp(text, "max") == 0) {
     *out = 0;
-    return true;
+    return 1;
   }
-  char *end;
-  unsigned long long v = strtoull(text, &end, 10);
-  if (end == text) return false;
-  /* cgroup v1 writes "no limit" as a page-rounded LONG_MAX */
-  *out = v >= (1ull << 62) ? 0 : (uint64_t)v;
-  return true;
+  uint64_t v = 0;
+  const char *p = text;
+  for (; ok && *p >= '0' && *p <= '9'; p++) {
+    unsigned digit = (unsigned)(*p - '0');
+    ok = v <= (UINT64_MAX - digit) / 10;
+    v = v * 10 + digit;
+  }
+  if (!ok || p == text || *p != '\0') {
+    snprintf(last_message, sizeof last_message,
+             "%s: bad value '%.40s': a cgroup memory file must hold 'max' or a number of bytes "
+             "from 0 to 2**64 - 1", path, text);
+    return -1;
+  }
+  *out = v;
+  return 1;
 }
 
-static bool read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
+/* 1 with the limit (0: none) and usage, 0 where no layout is there, -1 malformed. */
+static int read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
   static const char *const layouts[][2] = {
       {"memory.max", "memory.current"},                            /* v2 */
       {"memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"}, /* v1 */
@@ -52,12 +65,16 @@ static bool read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
   for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
     snprintf(lpath, sizeof lpath, "%s/%s", root, layouts[i][0]);
     snprintf(upath, sizeof upath, "%s/%s", root, layouts[i][1]);
-    if (read_limit_file(lpath, limit)) {
-      if (!*limit || !read_limit_file(upath, usage)) *usage = 0;
-      return true;
+    int found = read_limit_file(lpath, limit);
+    if (found < 0) return -1;
+    if (found) {
+      /* cgroup v1 writes "no limit" as a page-rounded LONG_MAX */
+      if (*limit >= (1ull << 62)) *limit = 0;
+      *usage = 0;
+      return *limit ? (read_limit_file(upath, usage) < 0 ? -1 : 1) : 1;
     }
   }
-  return false;
+  return 0;
 }
 
 /* The kB of a MemAvailable line, "MemAvailable:" then blanks, digits, blanks and "kB", read with
@@ -109,8 +126,9 @@ ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_roo
   out->mem_available = kib << 10;
   out->available = out->mem_available;
   if (!cgroup_root) cgroup_root = "/sys/fs/cgroup";
-  if (cgroup_root[0] && read_cgroup(cgroup_root, &out->cgroup_limit, &out->cgroup_usage) &&
-      out->cgroup_limit) {
+  int cgroup = cgroup_root[0] ? read_cgroup(cgroup_root, &out->cgroup_limit, &out->cgroup_usage) : 0;
+  if (cgroup < 0) return IA_ERR_BACKEND;
+  if (cgroup && out->cgroup_limit) {
     uint64_t room = out->cgroup_limit > out->cgroup_usage ? out->cgroup_limit - out->cgroup_usage : 0;
     if (room < out->available) out->available = room;
   }

@@ -570,6 +570,10 @@ extern "C" __attribute__((visibility("default"))) const char* indexer_arena_inst
     auto allocator = std::make_shared<ArenaAllocator>();
     allocator->init(c10::cuda::device_count());
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+    // changeCurrentAllocator swaps what torch.cuda reaches, not c10's allocator table, which
+    // torch.accelerator's memory functions read: without this they found PyTorch's own allocator,
+    // never initialized, and answered an empty memory_stats().
+    c10::SetAllocator(c10::DeviceType::CUDA, allocator.get());
     return nullptr;
   } catch (const std::exception& e) {
     install_error = e.what();

@@ -234,3 +234,46 @@ def test_the_guard_refuses_on_a_mem_available_it_cannot_read_and_the_arena_stays
     with pytest.raises(ArenaOutOfMemory, match="bad line"):
         meminfo(tmp_path, kib)
         Arena(MiB, guard=guard)
+
+
+# -- cgroup files as written, across the integer line and beyond ---------------------------------
+CGROUP_FILES = {"v2": ("memory.max", "memory.current"),
+                "v1": ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")}
+BYTES = st.one_of(st.integers(-(1 << 70), 1 << 70),
+                  st.sampled_from([0, 1, 2**62 - 1, 2**62, 2**63, 2**64 - 1, 2**64, -5, 10**30]))
+WORD = st.one_of(BYTES.map(str), st.text(st.sampled_from(" \t+-0123456789xmaMG."), max_size=12))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from(sorted(CGROUP_FILES)), limit=WORD, usage=WORD)
+def test_a_cgroup_file_is_read_exactly_or_refused_naming_it(tmp_path, layout, limit, usage):
+    import shutil
+    shutil.rmtree(tmp_path / "cgroup", ignore_errors=True)
+    limit_file, usage_file = CGROUP_FILES[layout]
+    root = cgroup(tmp_path, {limit_file: limit + "\n", usage_file: usage + "\n"})
+
+    def value(word):  # what the file means, or None where it must be refused
+        if word == "max":
+            return 0
+        return int(word) if word.isascii() and word.isdigit() and int(word) < 2**64 else None
+
+    lim = value(limit)
+    lim = 0 if lim is not None and lim >= 2**62 else lim  # v1's "no limit"
+    use = value(usage) if lim else 0
+    try:
+        m = read(meminfo(tmp_path, 4 * 1024 * 1024), cgroup_root=root)  # 4 GiB available
+    except BackendError as e:
+        bad, word = (limit_file, limit) if lim is None else (usage_file, usage)
+        assert lim is None or use is None, str(e)
+        assert f"{bad}: bad value '{word[:40]}'" in str(e) and "'max' or a number of bytes" in str(e)
+    else:
+        assert lim is not None and use is not None
+        assert m.cgroup_limit == (lim or None)
+        assert m.available == (min(4 * GiB, max(lim - use, 0)) if lim else 4 * GiB)
+
+
+def test_the_guard_refuses_on_a_cgroup_limit_it_cannot_read(tmp_path):
+    root = cgroup(tmp_path, {"memory.max": "-5\n", "memory.current": "0\n"})
+    guard = HostGuard(meminfo=meminfo(tmp_path, 64 * 1024), cgroup_root=root)
+    with pytest.raises(ArenaOutOfMemory, match=r"memory.max: bad value '-5'"):
+        Arena(MiB, guard=guard)

@@ -94,6 +94,26 @@ print(json.dumps(out))
 """)
 
 
+def test_torch_accelerator_reads_the_installed_allocator():
+    # torch.accelerator's memory functions go through c10's allocator table, not torch.cuda's
+    both("""
+prev = torch.accelerator.memory_stats()
+x = torch.randn(256, device="cuda")
+s = torch.accelerator.memory_stats()
+out = {"keys": "active_bytes.all.current" in s and "allocated_bytes.all.peak" in s,
+       "active": s["active_bytes.all.current"] - prev.get("active_bytes.all.current", 0),
+       "allocated": torch.accelerator.memory_allocated() == torch.cuda.memory_allocated() > 0,
+       "reserved": torch.accelerator.memory_reserved() == torch.cuda.memory_reserved() > 0}
+del x
+torch.accelerator.empty_cache()
+s = torch.accelerator.memory_stats()
+out["freed"] = s["active_bytes.all.freed"] >= 1024
+torch.accelerator.reset_peak_memory_stats()
+out["peak"] = torch.accelerator.max_memory_allocated() == torch.cuda.memory_allocated()
+print(json.dumps(out))
+""")
+
+
 def test_out_of_memory_speaks_pytorchs_words_and_tells_its_observers():
     both("""
 seen = []
