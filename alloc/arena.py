@@ -172,26 +172,17 @@ class Arena:
     ``close()`` began raises ValueError ("closed"), and ``close()`` waits for the calls already
     inside the C core before it destroys the arena. (In C, ia_arena_destroy must not overlap any
     other call on the arena; this object is what keeps that rule.)
-
-    ``thread_cache`` (bytes, 0: off, the default) gives every thread that allocates a cache of up
-    to that many bytes of the blocks it frees, each of ``thread_cache_block`` bytes or less: its
-    next allocations on the same stream reuse them without the arena's lock (csrc/thread_cache.c).
-    Off by default because placement then stops being exactly best fit (a cached block merges
-    with nothing until given back) and a call from Python costs far more than the lock it saves;
-    the C plugin's general pools turn it on.
     """
 
     def __init__(self, capacity: int, alignment: int = 256, backend: str = "host", *,
                  device: int | None = None, growable: bool = False, region_min: int = 2 << 20,
                  region_round: int = 2 << 20, region_exact_above: int | None = None,
                  limit: int = 0, host_limit: int | None = None, cudart: str | None = None,
-                 guard: HostGuard | None = None, name: str = "arena", thread_cache: int = 0,
-                 thread_cache_block: int = 1 << 20, address_range: int = 0, page_size: int | None = None):
+                 guard: HostGuard | None = None, name: str = "arena", address_range: int = 0,
+                 page_size: int | None = None):
         # Everything is checked before the backend exists, so that a refusal leaves nothing behind.
         _checked("capacity", capacity, 0, MAX_SIZE)
         _checked("limit", limit, 0, U64_MAX)
-        _checked("thread_cache", thread_cache, 0, MAX_SIZE)
-        _checked("thread_cache_block", thread_cache_block, 0, MAX_SIZE)
         _power_of_two("alignment", alignment, 16)
         if not growable and capacity == 0:
             raise ValueError("a fixed arena needs capacity > 0 (or pass growable=True)")
@@ -237,8 +228,6 @@ class Arena:
         opts.region_round = region_round
         opts.region_exact_above = region_exact_above if region_exact_above is not None else U64_MAX
         opts.limit = limit
-        opts.thread_cache = thread_cache
-        opts.thread_cache_block = thread_cache_block
         opts.address_range = address_range
         out = ffi.new("ia_arena_t **")
         status = lib.ia_arena_create(opts, self._backend, out)  # takes the backend, even on failure

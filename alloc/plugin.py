@@ -59,8 +59,7 @@ def pool_options(pool: str) -> dict:
     exact = int(o.region_exact_above)
     return {"capacity": int(o.capacity), "alignment": int(o.alignment), "growable": bool(o.growable),
             "region_min": int(o.region_min), "region_round": int(o.region_round),
-            "region_exact_above": None if exact == int(ffi.cast("size_t", -1)) else exact,
-            "thread_cache": int(o.thread_cache), "thread_cache_block": int(o.thread_cache_block)}
+            "region_exact_above": None if exact == int(ffi.cast("size_t", -1)) else exact}
 
 
 def core_library_path() -> str:

@@ -11,8 +11,7 @@ from .plan import WORKSPACE, Plan, compile_trace, result_row, run_ops, workspace
 
 def host_arena(pool: int, budget: int, alignment: int, device: int):
     """The arena of pool index ``pool``: the workspace fixed at ``budget``; a general pool as the
-    C core makes it, thread caches included (a replay runs on one thread, as a trace of a
-    process that allocated on one thread ran)."""
+    C core makes it."""
     from alloc.arena import Arena
     from alloc.plugin import pool_options
     name = f"host {device} {POOLS[pool]}"

@@ -20,8 +20,8 @@ on one thread:
   budget, so that the trace's own peak and fragmentation come back exactly; general events (pool
   small, large, or unknown as in RMM logs: routed by size as the plugin routes them,
   ``alloc.plugin.SMALL_REQUEST``) on growable arenas made with the plugin's options
-  (``alloc.plugin.pool_options``: region sizes and per-thread caches of freed blocks; a trace
-  recorded on several threads replays as one).
+  (``alloc.plugin.pool_options``: region sizes; a trace recorded on several threads replays as
+  one).
 
 Peak device memory is the largest ``cudaMemGetInfo`` used-memory delta from just before the replay,
 sampled every ``--sample-every`` events, after every allocation of ``--sample-bytes`` or more and

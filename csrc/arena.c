@@ -12,8 +12,8 @@
  * of blocks, so a search costs the same whatever the number of free blocks. Best fit rather than
  * TLSF's good fit, because the general pools serve every tensor of a serving process: taking a
  * block from a larger class when the request's own class has one that fits splits large blocks
- * for small requests, and measured on a Llama-style decode it held 18% more memory than PyTorch's
- * own best-fit allocator. A request is refused only when no free block can hold it.
+ * for small requests, and on a Llama-style decode held more memory than PyTorch's own best-fit
+ * allocator (benchmarks/RESULTS.md). A request is refused only when no free block can hold it.
  * Freed blocks merge with free neighbours at once, which keeps the arena one block when idle: the
  * growing-request pattern of a chunked prefill always finds the whole budget free.
  *
@@ -24,25 +24,15 @@
  * completed, makes the allocating stream wait on it. Merging two free blocks freed on different
  * streams orders one stream after the other the same way, so a free block has a single stream.
  *
- * Threads. With thread_cache set, each thread has a cache of the blocks it allocated
- * (thread_cache.c): its own frees and same-stream reuse of them skip this file's lock. The arena
- * sees a block lent to a cache as not free. A request it cannot serve takes cached blocks back one
- * by one until it fits, so that it grows or refuses only once no cache keeps any; anything that
- * needs its merged free state (allocation at an address, releasing regions, recording events
- * before a capture) takes every cache's free blocks back (drain); destruction forgets them.
- * Statistics, the block list and the invariant walk change nothing: they add the caches' counters
- * (fold) and count the blocks free in caches as free blocks of their own.
- *
- * Locking: one mutex per arena guards everything in it, taken once per public call that is not
- * served by a thread cache; a thread that finds it taken retries for a few microseconds before it
- * may sleep (_ia_arena_lock). Backend calls made while growing or ordering streams happen under
- * it; they never call back into the arena.
+ * Threads: one mutex per arena guards everything in it, taken once per public call, as PyTorch's
+ * caching allocator takes one mutex per device. A serving worker allocates from Python threads
+ * that hold the GIL, so its allocations rarely meet on the lock. Backend calls made while growing
+ * or ordering streams happen under it; they never call back into the arena. An arena of a
+ * device's group also takes the group's lock, inside its own, for the moment it updates the
+ * device totals (arena_stats.c).
  *
  * Over a backend that maps pages, a growable arena's regions are the mapped stretches of one
- * address range instead of reservations (arena_mapped.c); nothing else changes. Thread
- * caches keep blocks of those stretches as of any region: release takes them back before it unmaps,
- * and growth maps pages only after taking back every block they keep, so a cache never makes the
- * arena map more.
+ * address range instead of reservations (arena_mapped.c); nothing else changes.
  */
 #define _GNU_SOURCE /* PTHREAD_MUTEX_ADAPTIVE_NP */
 #include <pthread.h>
@@ -57,17 +47,6 @@ typedef _ia_block_t block_t;
 
 /* Blocks looked at per class list before settling; bounds the search whatever the list length. */
 #define SCAN_LIMIT 16
-
-/* Rounds of eight pauses before the mutex may sleep (internal.h: _ia_arena_lock). */
-#define LOCK_SPIN_ROUNDS 50
-
-void _ia_arena_lock_contended(ia_arena_t *a) {
-  for (int round = 0; round < LOCK_SPIN_ROUNDS; round++) {
-    for (int k = 0; k < 8; k++) _ia_cpu_relax();
-    if (pthread_mutex_trylock(&a->lock) == 0) return;
-  }
-  pthread_mutex_lock(&a->lock);
-}
 
 void _ia_assert_fail(const char *cond, const char *file, int line) {
   fprintf(stderr, "indexer-arena: internal invariant broken: %s (%s:%d)\n", cond, file, line);
@@ -138,21 +117,11 @@ block_t *_ia_find_free(ia_arena_t *a, size_t size) {
   return smallest_fitting(own, size, UINT32_MAX);
 }
 
-/* ---- thread caches: the calls the allocation paths make (arena_caches.c holds the rest) ---- */
-
-static bool caching(const ia_arena_t *a, size_t size) {
-  return a->opts.thread_cache && size <= a->opts.thread_cache_block;
-}
-
 /* ---- public operations ------------------------------------------------------------------------ */
 
 void ia_arena_default_options(ia_arena_options_t *o) {
-  /* No thread caches by default: the arena's placement stays exactly best fit and every free
-   * merges at once. Callers that share an arena between threads turn them on (the plugin's
-   * general pools do: csrc/plugin.c says with what sizes and why). */
   *o = (ia_arena_options_t){.alignment = 256, .region_round = (size_t)2 << 20,
-                            .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX,
-                            .thread_cache = 0, .thread_cache_block = (size_t)1 << 20};
+                            .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX};
 }
 
 ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backend, ia_arena_t **out) {
@@ -162,7 +131,6 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
    * regions whose blocks cannot tile them. */
   if (!opts || !_ia_is_pow2(opts->alignment) || opts->alignment < 16 || opts->alignment > IA_MAX_REQUEST ||
       (!opts->growable && opts->capacity == 0) || opts->capacity > IA_MAX_REQUEST ||
-      opts->thread_cache > IA_MAX_REQUEST || opts->thread_cache_block > IA_MAX_REQUEST ||
       (opts->growable && (!_ia_is_pow2(opts->region_round) || opts->region_round < opts->alignment ||
                           opts->region_round > IA_MAX_REQUEST || opts->region_min > IA_MAX_REQUEST ||
                           opts->region_min % opts->alignment)) ||
@@ -172,19 +140,19 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
     ia_backend_destroy(backend);
     return IA_ERR_INVALID_ARGUMENT;
   }
-  ia_arena_t *a = _ia_zalloc_lines(sizeof *a);
+  ia_arena_t *a = calloc(1, sizeof *a);
   if (!a) {
     ia_backend_destroy(backend);
     return IA_ERR_NO_HOST_MEMORY;
   }
-  /* Adaptive: past _ia_arena_lock's retries the mutex still spins a little before it sleeps. */
+  /* Adaptive: a thread that finds the lock taken spins a little before it sleeps, since the lock
+   * is held for far less than a sleep and a wake-up cost. */
   pthread_mutexattr_t attr;
   pthread_mutexattr_init(&attr);
   pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP);
   pthread_mutex_init(&a->lock, &attr);
   pthread_mutexattr_destroy(&attr);
   a->opts = *opts;
-  if (!opts->thread_cache_block) a->opts.thread_cache = 0; /* nothing could be kept */
   a->backend = backend;
   if (opts->address_range) {
     ia_status_t st = _ia_reserve_range(a);
@@ -211,19 +179,6 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
 
 void ia_arena_destroy(ia_arena_t *a) {
   if (!a) return;
-  /* Threads may still hold caches of this arena: each is orphaned (told its arena is gone, its
-   * blocks forgotten) under the registry lock, which an exiting thread holds while it follows its
-   * cache's arena pointer; the thread frees the cache later. */
-  if (a->opts.thread_cache) {
-    _ia_tcache_registry_lock();
-    _ia_arena_lock(a);
-    _ia_tcache_claim(a->caches, a->n_caches);
-    for (size_t i = 0; i < a->n_caches; i++) _ia_tcache_orphan(a->caches[i]);
-    _ia_tcache_release(a->caches, a->n_caches);
-    a->n_caches = 0;
-    _ia_arena_unlock(a);
-    _ia_tcache_registry_unlock();
-  }
   if (a->page) _ia_unmap_all(a);
   while (a->regions) _ia_region_drop(a, a->regions);
   for (size_t i = 0; i < a->n_streams; i++) a->backend->event_destroy(a->backend, a->streams[i].event);
@@ -233,7 +188,6 @@ void ia_arena_destroy(ia_arena_t *a) {
     free(s);
   }
   ia_backend_destroy(a->backend);
-  free(a->caches);
   free(a->streams);
   free(a->table.slots);
   pthread_mutex_destroy(&a->lock);
@@ -276,39 +230,25 @@ static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_st
   _ia_arena_trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
 }
 
-/* With thread caches, the cache's fast path serves what it can and calls the locked path for the
- * rest (tail calls both ways, so that the fast path is one function's frame). */
+static ia_status_t alloc(ia_arena_t *a, size_t size, ia_stream_t stream, bool grow, void **out);
+
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
-  if (size == 0) return IA_OK;
-  if (caching(a, size)) return _ia_tcache_alloc(a, size, stream, out);
-  return _ia_alloc_locked(a, size, stream, NULL, out);
-}
-
-static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, bool grow,
-                                void **out);
-
-ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out) {
-  return alloc_locked(a, size, stream, c, true, out);
+  return size == 0 ? IA_OK : alloc(a, size, stream, true, out);
 }
 
 ia_status_t ia_arena_alloc_cached(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
-  return size == 0 ? IA_OK : alloc_locked(a, size, stream, NULL, false, out);
+  return size == 0 ? IA_OK : alloc(a, size, stream, false, out);
 }
 
-static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, bool grow,
-                                void **out) {
+static ia_status_t alloc(ia_arena_t *a, size_t size, ia_stream_t stream, bool grow, void **out) {
   _ia_arena_lock(a);
-  if (c) { /* the calling thread's cache: no claim */
-    _ia_collect(a, c);
-    _ia_trim(a, c);
-  }
   ia_status_t st = IA_ERR_OUT_OF_MEMORY;
   block_t *b = NULL;
   if (size <= IA_MAX_REQUEST) {
     size_t rsize = _ia_align_up(size, a->opts.alignment);
-    b = _ia_find_reclaiming(a, rsize, c);
+    b = _ia_find_free(a, rsize);
     if (!b && grow && a->opts.growable) {
       st = _ia_grow(a, rsize);
       if (st == IA_OK) b = _ia_find_free(a, rsize);
@@ -321,7 +261,6 @@ static ia_status_t alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, 
     if (b) {
       _ia_bin_remove(a, b);
       hand_out(a, b, rsize, size, stream);
-      if (c) _ia_tcache_lend(a, c, b); /* its free, on this thread, then skips the lock */
       *out = (void *)b->addr;
     }
   }
@@ -339,7 +278,6 @@ ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t 
   if (size == 0 || size > IA_MAX_REQUEST || addr % a->opts.alignment) return IA_ERR_INVALID_ARGUMENT;
   size_t rsize = _ia_align_up(size, a->opts.alignment);
   _ia_arena_lock(a);
-  _ia_drain(a); /* the range may lie in blocks that threads keep */
   region_t *r = _ia_region_of(a, addr);
   block_t *b = r ? r->first : NULL;
   while (b && b->addr + b->size <= addr) b = b->phys_next;
@@ -382,10 +320,9 @@ void _ia_merge_into(ia_arena_t *a, block_t *left, block_t *right) {
 /* A block out of the table, its counters settled, becomes free on `stream` and merges with its free
  * neighbours. Ordering failures cannot be handed back to the caller without leaking the block; the
  * streams involved are broken anyway, so they stop the process instead. */
-void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_free) {
+void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream) {
   block_t *prev = b->phys_prev, *next = b->phys_next;
   int64_t n = 0, bytes = 0;
-  if (counted_free) split_change(a, b, -1, &n, &bytes);
   if (prev && prev->is_free) split_change(a, prev, -1, &n, &bytes);
   if (next && next->is_free) split_change(a, next, -1, &n, &bytes);
   b->is_free = true;
@@ -410,68 +347,27 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream, bool counted_f
   _ia_count_split(a, n, bytes);
 }
 
-void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c) {
-  _ia_arena_lock(a);
-  _ia_collect(a, c);
-  _ia_trim(a, c);
-  IA_DEBUG_CHECK(a);
-  _ia_arena_unlock(a);
-}
-
-ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st) {
-  _ia_arena_lock(a);
-  a->stats.bad_frees++;
-  _ia_arena_unlock(a);
-  return st;
-}
-
+/* A live block is in the table; a pointer inside one of the arena's regions that is not is a
+ * double free (or a pointer into a block's middle), anything else is foreign. The other streams
+ * recorded on the block are ordered before `stream`'s reuse of it. */
 ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   if (!ptr) return IA_OK;
-  if (a->opts.thread_cache) return _ia_tcache_free(a, ptr, stream);
-  return _ia_free_locked(a, ptr, stream);
-}
-
-/* A free's work that settles the block now: the other streams recorded on it ordered before
- * `stream`'s reuse of it, the device totals and the trace. */
-static void free_now(ia_arena_t *a, block_t *b, ia_stream_t stream) {
-  for (uint32_t i = 0; i < b->n_uses; i++)
-    ia_assert(_ia_order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
-  b->n_uses = 0;
-  b->stream = stream;
-  _ia_totals_live(a->totals, -1, (int64_t)b->size, (int64_t)b->requested);
-  _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
-}
-
-void _ia_free_later(ia_arena_t *a, block_t *b) {
-  _ia_table_remove(&a->table, b);
-  _ia_count_stats(a, -1, (int64_t)b->size, (int64_t)b->requested);
-  _ia_make_free(a, b, b->stream, false);
-}
-
-/* A lent block freed by a thread that does not own its cache joins the cache's remote frees, which
- * the arena gives back when it next settles that cache (_ia_collect): the owner's fast path may be
- * reading the cache's table right now. Whether it is free in the cache already (a double free) is
- * read without a claim: only a program that frees it twice can race on it. */
-ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_arena_lock(a);
-  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
-  ia_status_t st = b ? IA_OK : _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
-  if (b && _ia_lent_and_free(b)) st = IA_ERR_DOUBLE_FREE;
-  if (st != IA_OK) {
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr);
+  if (!b) {
+    ia_status_t st = _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
     a->stats.bad_frees++;
     _ia_arena_unlock(a);
     return st;
   }
-  free_now(a, b, stream == IA_STREAM_NONE ? b->stream : stream);
-  if (b->cache && !_ia_tcache_mine(b->cache)) {
-    _ia_tcache_free_remotely(b->cache, b);
-  } else {
-    if (b->cache) { /* the calling thread's, with other streams recorded on the block */
-      _ia_fold(a, b->cache); /* so that the counters include the block the cache handed out */
-      _ia_tcache_unlend(b->cache, b);
-    }
-    _ia_free_later(a, b);
-  }
+  if (stream == IA_STREAM_NONE) stream = b->stream;
+  for (uint32_t i = 0; i < b->n_uses; i++)
+    ia_assert(_ia_order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
+  b->n_uses = 0;
+  _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
+  _ia_table_remove(&a->table, b);
+  _ia_count_live(a, -1, (int64_t)b->size, (int64_t)b->requested);
+  _ia_make_free(a, b, stream);
   IA_DEBUG_CHECK(a);
   _ia_arena_unlock(a);
   return IA_OK;
@@ -480,7 +376,6 @@ ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream) {
 uint64_t ia_arena_release_cached(ia_arena_t *a) {
   if (!a->opts.growable) return 0;
   _ia_arena_lock(a);
-  if (!_ia_capturing(a)) _ia_drain(a); /* a region may be free but for blocks that threads keep */
   uint64_t released = _ia_release_free_regions(a);
   _ia_arena_unlock(a);
   return released;

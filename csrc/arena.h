@@ -4,8 +4,8 @@
  * result to cffi, so everything here must be plain declarations once preprocessed: no inline code,
  * no system headers in that mode.
  *
- * Naming: ia_* is public (this header), _ia_* is shared between the core's files (internal.h),
- * plain names are static to one file.
+ * Naming: ia_* is public (this header; what only the tests reach is in arena_testing.h), _ia_* is
+ * shared between the core's files (internal.h), plain names are static to one file.
  */
 #ifndef INDEXER_ARENA_H
 #define INDEXER_ARENA_H
@@ -54,13 +54,6 @@ ia_status_t ia_host_backend_create(size_t limit_bytes, ia_backend_t **out);
 void ia_host_set_auto_complete(ia_backend_t *backend, bool on);
 void ia_host_complete(ia_backend_t *backend, ia_stream_t stream);
 uint64_t ia_host_waits(const ia_backend_t *backend, ia_stream_t waiter, ia_stream_t waited_on);
-/* CUDA graph capture, simulated for every host backend at once: the stream captures under the id
- * (non-zero) until ia_host_capture_end. Breaks of CUDA's capture rules are counted, not enforced
- * (see backend_host.c); a capturing stream's wait on an outside event counts as a host wait. */
-bool ia_host_capture_begin(ia_stream_t stream, uint64_t capture);
-void ia_host_capture_end(ia_stream_t stream);
-uint64_t ia_host_capture_violations(void);
-uint64_t ia_host_capture_host_waits(void);
 
 /* Page mapping, simulated: a host backend that also reserves address ranges with no memory behind
  * them (mmap PROT_NONE) and maps pages of page_size bytes into them (a power of two, a multiple of
@@ -173,8 +166,7 @@ typedef struct ia_stat {
   X(capacity, reserved_bytes, "bytes reserved from the backend (mapped, over a mapping backend)")  \
   X(regions, segment, "regions held: reservations, or the mapped stretches of the address range")  \
   X(inactive_split, inactive_split, "free blocks of regions that are split (not one whole free "   \
-    "block); a block a thread cache keeps counts as free; never counted over a mapping backend, "  \
-    "as PyTorch counts none in expandable segments")                                                \
+    "block); never counted over a mapping backend, as PyTorch counts none in expandable segments") \
   X(inactive_split_bytes, inactive_split_bytes, "bytes of those blocks")
 
 /* The counters that only count or describe: X(type, name, description). */
@@ -239,15 +231,6 @@ typedef struct ia_arena_options {
   size_t region_exact_above;
   /* Growable mode: most bytes the regions may hold together (0: no limit). */
   size_t limit;
-  /* Thread caches (0: none, the default). Each thread keeps up to thread_cache bytes of the blocks
-   * it frees, of thread_cache_block bytes or less, for its own next allocations on the same stream,
-   * and frees and reuses them without taking the arena's lock (csrc/thread_cache.c). A kept block
-   * counts as free, not in use (ia_arena_stats, ia_arena_blocks); it is given back when the
-   * thread exits, past the limit, and before the arena grows, refuses a request, allocates at an
-   * address or releases regions. The price: until given back it merges with no neighbour, and a
-   * cache hit may hand out a block up to 3/32 larger than asked (its size class or the next two). */
-  size_t thread_cache;
-  size_t thread_cache_block;
   /* Growable mode over a backend that maps pages: bytes of the one address range reserved at
    * creation, rounded up to the page (0: the arena reserves regions, as over any backend). Its
    * regions are then the range's mapped stretches, in address order: growth maps the pages a
@@ -306,17 +289,10 @@ size_t ia_arena_regions(ia_arena_t *arena, ia_region_info_t *out, size_t cap);
 /* A mapping arena's page (0: an arena of reservations) and its one address range (false: none). */
 size_t ia_arena_page_size(const ia_arena_t *arena);
 bool ia_arena_address_range(const ia_arena_t *arena, ia_region_info_t *out);
-/* The backend the arena took (tests read the host backend's or the guard's counters through it). */
-const ia_backend_t *ia_arena_backend(const ia_arena_t *arena);
 /* Walks every region: blocks tile it exactly, no two neighbours are both free, the free bins and
  * the live-block table agree with the blocks, the counters agree with the walk.
  * Returns true when all hold; otherwise writes what broke into msg. */
 bool ia_arena_check(ia_arena_t *arena, char *msg, size_t msg_len);
-/* How a thread cache's owner and the other threads keep out of each other's way in this process:
- * "membarrier" (the owner's fast path only stores and loads; a rare other thread that must touch the
- * cache makes every thread of the process pass a barrier) or "exchange" (both take a spinlock with an
- * atomic exchange; where the barrier is not available, and under ThreadSanitizer). */
-const char *ia_thread_cache_protocol(void);
 
 /* ------------------------------------------------------------------------------------------------
  * Tracing: a bounded ring of allocation events, shared by any number of arenas. When the ring is
@@ -480,7 +456,6 @@ ia_status_t ia_graph_end(int device, ia_pool_id_t id);
 ia_status_t ia_graph_incref(int device, ia_pool_id_t id);
 ia_status_t ia_graph_release(int device, ia_pool_id_t id);
 int ia_graph_use_count(int device, ia_pool_id_t id); /* 0 for an unknown pool */
-int ia_graph_captures(int device);                   /* begun, not ended, over all pools */
 /* Every block of the pool's arenas, live and free (how many exist is returned; none is copied
  * when they do not all fit). */
 size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap);
@@ -488,8 +463,6 @@ size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t
  * ia_graph_blocks) live again at their addresses: CUDA graph trees' checkpoints. */
 ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n);
 size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap);
-/* ia_arena_check over every arena of the pool. */
-bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len);
 
 /* A torch.cuda.MemPool's own allocator (vLLM's sleep mode, NCCL's symmetric memory): the pool's
  * regions are reserved with alloc (NULL: out of memory) and given back with free, as PyTorch's

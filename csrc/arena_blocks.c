@@ -10,9 +10,8 @@ typedef _ia_block_t block_t;
 
 block_t *_ia_block_new(ia_arena_t *a) {
   if (!a->spare_blocks) {
-    _ia_slab_t *s = aligned_alloc(_Alignof(_ia_slab_t), sizeof *s); /* its blocks' alignment */
+    _ia_slab_t *s = calloc(1, sizeof *s);
     if (!s) return NULL;
-    memset(s, 0, sizeof *s);
     s->next = a->slabs;
     a->slabs = s;
     for (int i = IA_SLAB_BLOCKS - 1; i >= 0; i--) {
@@ -33,7 +32,27 @@ void _ia_block_delete(ia_arena_t *a, block_t *b) {
   a->spare_blocks = b;
 }
 
-/* ---- block tables (internal.h) ---------------------------------------------------------------- */
+/* ---- the table of live blocks (internal.h) ---------------------------------------------------- */
+
+static size_t slot_of(const _ia_table_t *t, uintptr_t addr) {
+  return (size_t)(((uint64_t)addr >> IA_ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & t->mask;
+}
+
+static block_t *find(const _ia_table_t *t, uintptr_t addr, size_t *slot) {
+  if (!t->slots) return NULL;
+  for (size_t i = slot_of(t, addr);; i = (i + 1) & t->mask) {
+    block_t *b = t->slots[i];
+    if (!b || b->addr == addr) {
+      *slot = i;
+      return b;
+    }
+  }
+}
+
+block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr) {
+  size_t slot;
+  return find(t, addr, &slot);
+}
 
 static bool table_grow(_ia_table_t *t) {
   size_t old_size = t->slots ? t->mask + 1 : 0;
@@ -45,7 +64,7 @@ static bool table_grow(_ia_table_t *t) {
   t->mask = new_size - 1;
   for (size_t i = 0; i < old_size; i++) {
     if (!old[i]) continue;
-    size_t j = _ia_table_slot_of(t, old[i]->addr);
+    size_t j = slot_of(t, old[i]->addr);
     while (slots[j]) j = (j + 1) & t->mask;
     slots[j] = old[i];
   }
@@ -56,7 +75,7 @@ static bool table_grow(_ia_table_t *t) {
 bool _ia_table_insert(_ia_table_t *t, block_t *b) {
   if (!t->slots || (t->count + 1) * 2 > t->mask + 1)
     if (!table_grow(t)) return false;
-  size_t i = _ia_table_slot_of(t, b->addr);
+  size_t i = slot_of(t, b->addr);
   while (t->slots[i]) i = (i + 1) & t->mask;
   t->slots[i] = b;
   t->count++;
@@ -64,13 +83,13 @@ bool _ia_table_insert(_ia_table_t *t, block_t *b) {
 }
 
 /* Backward-shift deletion keeps probe chains intact without tombstones. */
-void _ia_table_remove_slot(_ia_table_t *t, size_t hole) {
+static void remove_slot(_ia_table_t *t, size_t hole) {
   size_t i = hole;
   for (;;) {
     i = (i + 1) & t->mask;
     block_t *b = t->slots[i];
     if (!b) break;
-    size_t home = _ia_table_slot_of(t, b->addr);
+    size_t home = slot_of(t, b->addr);
     bool movable = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
     if (movable) {
       t->slots[hole] = b;
@@ -83,6 +102,6 @@ void _ia_table_remove_slot(_ia_table_t *t, size_t hole) {
 
 void _ia_table_remove(_ia_table_t *t, block_t *b) {
   size_t slot;
-  ia_assert(_ia_table_find(t, b->addr, &slot) == b);
-  _ia_table_remove_slot(t, slot);
+  ia_assert(find(t, b->addr, &slot) == b);
+  remove_slot(t, slot);
 }

@@ -15,16 +15,10 @@ typedef _ia_block_t block_t;
     }                                                                                               \
   } while (0)
 
-static bool is_my_cache(const ia_arena_t *a, const _ia_tcache_t *c) {
-  for (size_t i = 0; i < a->n_caches; i++)
-    if (a->caches[i] == c) return true;
-  return false;
-}
-
 /* What the walk counted, to hold against the arena's counters. */
 typedef struct {
-  uint64_t in_use, free_bytes, capacity, requested, cached_bytes, split_bytes;
-  size_t live, free_count, n_regions, lent, cached, split;
+  uint64_t in_use, free_bytes, capacity, requested, split_bytes;
+  size_t live, free_count, n_regions, split;
 } walk_t;
 
 static void count_split(const ia_arena_t *a, const block_t *b, walk_t *w) {
@@ -33,11 +27,10 @@ static void count_split(const ia_arena_t *a, const block_t *b, walk_t *w) {
   w->split_bytes += b->size;
 }
 
-/* A free block: not beside another free one, lent to no cache, filed in its class. */
+/* A free block: not beside another free one, filed in its class. */
 static bool check_free_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, size_t msg_len) {
   CHECK(!b->phys_next || !b->phys_next->is_free, "free blocks %#lx and %#lx are neighbours",
         (unsigned long)b->addr, (unsigned long)b->phys_next->addr);
-  CHECK(!b->cache, "free block %#lx is lent to a thread cache", (unsigned long)b->addr);
   unsigned fl, sl;
   _ia_class_of(b->size, &fl, &sl);
   CHECK(b->fl == fl && b->sl == sl, "free block %#lx filed in the wrong class", (unsigned long)b->addr);
@@ -52,29 +45,13 @@ broken:
   return false;
 }
 
-/* A block not free in the arena: in the table; lent to a cache that holds it, or to none. A block
- * lent to a cache and free in it counts as free but sits in no class of the arena. */
-static bool check_held_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, size_t msg_len) {
-  CHECK(_ia_table_find(&a->table, b->addr, NULL) == b, "live block %#lx missing from the live table",
+/* A live block: in the table. */
+static bool check_live_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, size_t msg_len) {
+  CHECK(_ia_table_find(&a->table, b->addr) == b, "live block %#lx missing from the live table",
         (unsigned long)b->addr);
-  if (b->cache) {
-    CHECK(is_my_cache(a, b->cache) && _ia_tcache_holds(b->cache, b),
-          "block %#lx is lent to a cache that does not hold it", (unsigned long)b->addr);
-    CHECK(b->split == _ia_split_free(a, b), "block %#lx lent to a cache is marked %s", (unsigned long)b->addr,
-          b->split ? "split but its region is whole" : "whole but its region is split");
-    w->lent++;
-  } else {
-    CHECK(!b->cached, "block %#lx is free in a cache it is not lent to", (unsigned long)b->addr);
-  }
-  if (b->cache && b->cached) {
-    w->cached_bytes += b->size;
-    w->cached++;
-    count_split(a, b, w);
-  } else {
-    w->in_use += b->size;
-    w->requested += b->requested;
-    w->live++;
-  }
+  w->in_use += b->size;
+  w->requested += b->requested;
+  w->live++;
   return true;
 broken:
   return false;
@@ -101,7 +78,7 @@ static bool check_region(ia_arena_t *a, region_t *r, uintptr_t *mapped_to, walk_
           b->size);
     CHECK(!b->phys_next || b->phys_next->phys_prev == b, "broken links after %#lx", (unsigned long)b->addr);
     expect += b->size;
-    if (!(b->is_free ? check_free_block : check_held_block)(a, b, w, msg, msg_len)) return false;
+    if (!(b->is_free ? check_free_block : check_live_block)(a, b, w, msg, msg_len)) return false;
   }
   CHECK(expect == r->base + r->size, "blocks of region %#lx cover %zu of %zu bytes", (unsigned long)r->base,
         (size_t)(expect - r->base), r->size);
@@ -112,8 +89,8 @@ broken:
   return false;
 }
 
-/* The class bitmaps and lists, and the caches' own walks, against what the regions hold. */
-static bool check_classes_and_caches(ia_arena_t *a, const walk_t *w, char *msg, size_t msg_len) {
+/* The class bitmaps and lists and the live table against what the regions hold. */
+static bool check_classes(ia_arena_t *a, const walk_t *w, char *msg, size_t msg_len) {
   size_t binned = 0;
   for (unsigned fl = 0; fl < IA_FL_COUNT; fl++)
     for (unsigned sl = 0; sl < IA_SL_COUNT; sl++) {
@@ -123,21 +100,7 @@ static bool check_classes_and_caches(ia_arena_t *a, const walk_t *w, char *msg, 
         CHECK(x->is_free, "live block %#lx sits in a free class", (unsigned long)x->addr);
     }
   CHECK(binned == w->free_count, "%zu blocks in classes, %zu free blocks in regions", binned, w->free_count);
-  uint64_t listed_bytes = 0, listed = 0;
-  size_t held = 0;
-  for (size_t i = 0; i < a->n_caches; i++) {
-    uint64_t bytes, blocks, largest;
-    if (!_ia_tcache_check(a->caches[i], msg, msg_len)) return false;
-    _ia_tcache_free_info(a->caches[i], &bytes, &blocks, &largest);
-    listed_bytes += bytes;
-    listed += blocks;
-    held += _ia_tcache_lent(a->caches[i]);
-  }
-  CHECK(held == w->lent, "thread caches hold %zu blocks, %zu blocks are lent", held, w->lent);
-  CHECK(listed == w->cached && listed_bytes == w->cached_bytes, "thread caches list %lu free blocks, the "
-        "regions have %zu", (unsigned long)listed, w->cached);
-  CHECK(w->live + w->cached == a->table.count, "%zu live blocks, %zu in the live table", w->live + w->cached,
-        a->table.count);
+  CHECK(w->live == a->table.count, "%zu live blocks, %zu in the live table", w->live, a->table.count);
   return true;
 broken:
   return false;
@@ -157,13 +120,13 @@ broken:
   return false;
 }
 
-/* Under the arena's lock and every cache's. */
+/* Under the arena's lock. */
 static bool check_locked(ia_arena_t *a, char *msg, size_t msg_len) {
   walk_t w = {0};
   uintptr_t mapped_to = a->range_base; /* mapping: where the previous stretch ended */
   for (region_t *r = a->regions; r; r = r->next)
     if (!check_region(a, r, &mapped_to, &w, msg, msg_len)) return false;
-  if (!check_classes_and_caches(a, &w, msg, msg_len)) return false;
+  if (!check_classes(a, &w, msg, msg_len)) return false;
   const ia_stats_t *s = &a->stats;
   if (!check_quads(s, msg, msg_len)) return false;
   CHECK((int64_t)w.n_regions == s->regions.current && (int64_t)w.capacity == s->capacity.current,
@@ -184,25 +147,14 @@ broken:
   return false;
 }
 
-/* Caches are claimed (and folded, so that the counters compare) for the whole walk. Their remote
- * frees stay where they are: the walk changes nothing, so that a debug build's walk after every
- * operation does not hand blocks back sooner than a release build would. */
-static bool check_with_caches(ia_arena_t *a, char *msg, size_t msg_len) {
-  _ia_tcache_claim(a->caches, a->n_caches);
-  for (size_t i = 0; i < a->n_caches; i++) _ia_fold(a, a->caches[i]);
-  bool ok = check_locked(a, msg, msg_len);
-  _ia_tcache_release(a->caches, a->n_caches);
-  return ok;
-}
-
 bool ia_arena_check(ia_arena_t *a, char *msg, size_t msg_len) {
   _ia_arena_lock(a);
-  bool ok = check_with_caches(a, msg, msg_len);
+  bool ok = check_locked(a, msg, msg_len);
   _ia_arena_unlock(a);
   return ok;
 }
 
 void _ia_arena_debug_check(ia_arena_t *a) {
   char msg[512];
-  if (!check_with_caches(a, msg, sizeof msg)) _ia_assert_fail(msg, __FILE__, __LINE__);
+  if (!check_locked(a, msg, sizeof msg)) _ia_assert_fail(msg, __FILE__, __LINE__);
 }

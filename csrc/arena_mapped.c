@@ -100,7 +100,7 @@ static ia_status_t map_for(ia_arena_t *a, size_t size) {
   if (_ia_over_limit(a, bytes)) return IA_ERR_LIMIT;
   /* The headers first: once the pages are mapped nothing may fail. */
   block_t *fresh = _ia_block_new(a);
-  region_t *r = p.after ? p.after : _ia_zalloc_lines(sizeof *r);
+  region_t *r = p.after ? p.after : calloc(1, sizeof *r);
   if (!fresh || !r) {
     if (fresh) _ia_block_delete(a, fresh);
     if (!p.after) free(r);
@@ -178,7 +178,7 @@ static bool cut(ia_arena_t *a, region_t *r, block_t *b, uintptr_t lo, uintptr_t 
   uintptr_t b_end = b->addr + b->size, r_end = r->base + r->size;
   bool head = lo > b->addr, tail = hi < b_end, before = lo > r->base, after = hi < r_end;
   block_t *spare = head && tail ? _ia_block_new(a) : NULL;
-  region_t *split = before && after ? _ia_zalloc_lines(sizeof *split) : NULL;
+  region_t *split = before && after ? calloc(1, sizeof *split) : NULL;
   if ((head && tail && !spare) || (before && after && !split)) {
     if (spare) _ia_block_delete(a, spare);
     free(split);

@@ -40,7 +40,7 @@ static ia_status_t reserve_aligned(ia_arena_t *a, size_t size, size_t align, voi
 ia_status_t _ia_region_add(ia_arena_t *a, size_t size) {
   size_t align = a->opts.alignment;
   if (size > SIZE_MAX - align) return IA_ERR_BACKEND_OUT_OF_MEMORY;
-  region_t *r = _ia_zalloc_lines(sizeof *r);
+  region_t *r = calloc(1, sizeof *r);
   block_t *b = _ia_block_new(a);
   if (!r || !b) {
     free(r);
@@ -112,7 +112,11 @@ static size_t region_size_for(const ia_arena_options_t *o, size_t size) {
 bool _ia_over_limit(const ia_arena_t *a, size_t want) {
   if (a->opts.limit && (uint64_t)a->stats.capacity.current + want > a->opts.limit) return true;
   uint64_t group = a->totals ? atomic_load(&a->totals->limit) : 0;
-  return group && (uint64_t)atomic_load(&a->totals->capacity.current) + want > group;
+  if (!group) return false;
+  pthread_mutex_lock(&a->totals->lock);
+  bool over = (uint64_t)a->totals->capacity.current + want > group;
+  pthread_mutex_unlock(&a->totals->lock);
+  return over;
 }
 
 ia_status_t _ia_grow(ia_arena_t *a, size_t size) {

@@ -1,24 +1,53 @@
-/* What an arena says of itself: statistics, device totals, its blocks and regions. */
+/* What an arena says of itself: statistics, device totals, its blocks and regions.
+ *
+ * The device totals (internal.h: ia_totals_t) are plain integers under the group's lock, which an
+ * arena takes inside its own for each update; nothing is called under it, so it is never held
+ * for more than a few additions. */
 #include <pthread.h>
 
+#include "arena_testing.h"
 #include "internal.h"
 
 typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;
 
 void _ia_totals_reset_peaks(ia_totals_t *t) {
+  pthread_mutex_lock(&t->lock);
   _ia_total_t *all[] = {&t->in_use, &t->requested, &t->blocks, &t->capacity, &t->regions};
-  for (size_t i = 0; i < sizeof all / sizeof *all; i++) atomic_store(&all[i]->peak, atomic_load(&all[i]->current));
+  for (size_t i = 0; i < sizeof all / sizeof *all; i++) all[i]->peak = all[i]->current;
+  pthread_mutex_unlock(&t->lock);
+}
+
+void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
+  ia_stats_t *s = &a->stats;
+  _ia_stat_add(&s->in_use, sign * bytes);
+  _ia_stat_add(&s->active_bytes, sign * bytes);
+  _ia_stat_add(&s->requested, sign * requested);
+  _ia_stat_add(&s->blocks, sign);
+  _ia_stat_add(&s->active, sign);
+  ia_totals_t *t = a->totals;
+  if (!t) return;
+  pthread_mutex_lock(&t->lock);
+  _ia_total_add(&t->in_use, sign * bytes);
+  _ia_total_add(&t->requested, sign * requested);
+  _ia_total_add(&t->blocks, sign);
+  pthread_mutex_unlock(&t->lock);
 }
 
 void _ia_count_capacity(ia_arena_t *a, int64_t bytes) {
   _ia_stat_add(&a->stats.capacity, bytes);
-  if (a->totals) _ia_total_add(&a->totals->capacity, bytes);
+  if (!a->totals) return;
+  pthread_mutex_lock(&a->totals->lock);
+  _ia_total_add(&a->totals->capacity, bytes);
+  pthread_mutex_unlock(&a->totals->lock);
 }
 
 void _ia_count_regions(ia_arena_t *a, int64_t n) {
   _ia_stat_add(&a->stats.regions, n);
-  if (a->totals) _ia_total_add(&a->totals->regions, n);
+  if (!a->totals) return;
+  pthread_mutex_lock(&a->totals->lock);
+  _ia_total_add(&a->totals->regions, n);
+  pthread_mutex_unlock(&a->totals->lock);
 }
 
 void _ia_count_split(ia_arena_t *a, int64_t blocks, int64_t bytes) {
@@ -37,11 +66,13 @@ void _ia_arena_set_totals(ia_arena_t *a, ia_totals_t *t) {
   a->totals = t;
   a->captures = &t->captures;
   const ia_stats_t *s = &a->stats;
+  pthread_mutex_lock(&t->lock);
   _ia_total_add(&t->in_use, s->in_use.current);
   _ia_total_add(&t->requested, s->requested.current);
   _ia_total_add(&t->blocks, s->blocks.current);
   _ia_total_add(&t->capacity, s->capacity.current);
   _ia_total_add(&t->regions, s->regions.current);
+  pthread_mutex_unlock(&t->lock);
   _ia_arena_unlock(a);
 }
 
@@ -85,33 +116,16 @@ static uint64_t largest_free_locked(const ia_arena_t *a) {
   return largest;
 }
 
-/* Blocks kept by thread caches count as free (they are, to PyTorch's allocated-versus-reserved
- * view), each as the block it is: they have not merged with their neighbours. */
 void ia_arena_stats(ia_arena_t *a, ia_stats_t *out) {
   _ia_arena_lock(a);
-  uint64_t cached_bytes = 0, cached_blocks = 0, cached_largest = 0;
-  _ia_tcache_claim(a->caches, a->n_caches);
-  for (size_t i = 0; i < a->n_caches; i++) {
-    uint64_t bytes, blocks, largest;
-    _ia_collect(a, a->caches[i]);
-    _ia_tcache_free_info(a->caches[i], &bytes, &blocks, &largest);
-    cached_bytes += bytes;
-    cached_blocks += blocks;
-    if (largest > cached_largest) cached_largest = largest;
-  }
-  _ia_tcache_release(a->caches, a->n_caches);
   *out = a->stats;
   out->largest_free = largest_free_locked(a);
   _ia_arena_unlock(a);
-  out->free_bytes += cached_bytes;
-  out->free_blocks += cached_blocks;
-  if (cached_largest > out->largest_free) out->largest_free = cached_largest;
   out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
 }
 
 void ia_arena_reset_peaks(ia_arena_t *a) {
   _ia_arena_lock(a);
-  _ia_collect_all(a);
 #define RESET(name, torch, doc) a->stats.name.peak = a->stats.name.current;
   IA_STAT_QUADS(RESET)
 #undef RESET
@@ -127,13 +141,8 @@ size_t ia_arena_regions(ia_arena_t *a, ia_region_info_t *out, size_t cap) {
   return n;
 }
 
-/* A block a thread cache keeps is listed as the free block it is (it may neighbour another), as
- * ia_arena_stats counts it: looking takes back nothing a cache keeps. Like the statistics, it first
- * completes the frees other threads made of blocks lent to a cache (collect). */
 size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
   _ia_arena_lock(a);
-  _ia_tcache_claim(a->caches, a->n_caches);
-  for (size_t i = 0; i < a->n_caches; i++) _ia_collect(a, a->caches[i]);
   size_t n = 0;
   uint32_t index = 0;
   for (region_t *r = a->regions; r; r = r->next, index++)
@@ -141,17 +150,16 @@ size_t ia_arena_blocks(ia_arena_t *a, ia_block_info_t *out, size_t cap) {
       if (n < cap)
         out[n] = (ia_block_info_t){.address = b->addr, .size = b->size, .requested = b->requested,
                                    .region_base = r->base, .region = index,
-                                   .is_free = b->is_free || (b->cache && b->cached), .stream = b->stream};
-  _ia_tcache_release(a->caches, a->n_caches);
+                                   .is_free = b->is_free, .stream = b->stream};
   _ia_arena_unlock(a);
   return n;
 }
 
 void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t pool) {
   _ia_arena_lock(a);
-  bool attaching = t && t != atomic_load(&a->trace);
-  atomic_store(&a->trace_tag, (uint64_t)(uint32_t)device << 8 | pool);
-  atomic_store_explicit(&a->trace, t, memory_order_release);
+  bool attaching = t && t != a->trace;
+  a->trace_tag = (uint64_t)(uint32_t)device << 8 | pool;
+  a->trace = t;
   /* A trace starts with the regions already held, so a consumer knows the arena's layout. */
   for (region_t *r = attaching ? a->regions : NULL; r; r = r->next)
     _ia_arena_trace(a, IA_TRACE_RESERVE, r->base, r->size, IA_STREAM_NONE);

@@ -52,11 +52,8 @@ ia_status_t _ia_order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed
 ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   _ia_arena_lock(a);
   ia_status_t st = IA_OK;
-  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
-  /* A lent block is read and written without a claim on its cache: the caller holds it live, and
-   * its owner's fast path touches a live block only to free it, which a program that holds it
-   * does not do at the same time; only one that records on a block it freed races here. */
-  if (!b || _ia_lent_and_free(b)) {
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr);
+  if (!b) {
     st = _ia_region_of(a, (uintptr_t)ptr) ? IA_ERR_DOUBLE_FREE : IA_ERR_FOREIGN_POINTER;
   } else if (stream != b->stream) {
     bool known = false;
@@ -80,7 +77,6 @@ ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream)
 
 void _ia_arena_flush_events(ia_arena_t *a) {
   _ia_arena_lock(a);
-  _ia_drain(a); /* frees kept by threads need their events now too */
   for (region_t *r = a->regions; r; r = r->next)
     for (block_t *b = r->first; b; b = b->phys_next) {
       if (!b->is_free || b->stream == IA_STREAM_NONE) continue;
@@ -108,8 +104,8 @@ bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
 
 bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
   _ia_arena_lock(a);
-  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr, NULL);
-  bool live = b && !_ia_lent_and_free(b); /* no claim: as record_stream */
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr);
+  bool live = b != NULL;
   if (live) {
     *stream = b->stream;
     *other_streams = b->n_uses;

@@ -25,6 +25,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "arena_testing.h"
 #include "internal.h"
 
 typedef struct {

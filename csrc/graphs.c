@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arena_testing.h"
 #include "internal.h"
 
 typedef struct {
@@ -285,19 +286,20 @@ void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int ki
   return out;
 }
 
+/* Streams of the device capturing now, over all pools. */
+static int captures(int device) {
+  ia_totals_t *t = _ia_plugin_totals(device);
+  return t ? atomic_load(&t->captures) : 0;
+}
+
 void ia_graph_empty_cache(int device, ia_pool_id_t id) {
   struct device_graphs *g = graphs_of(device);
-  if (!g || ia_graph_captures(device) > 0) return;
+  if (!g || captures(device) > 0) return;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
   if (p) FOR_EACH_ARENA(p, k, a) ia_arena_release_cached(a);
   if (p) trim_released(g, p);
   pthread_mutex_unlock(&g->lock);
-}
-
-int ia_graph_captures(int device) {
-  ia_totals_t *t = _ia_plugin_totals(device);
-  return t ? atomic_load(&t->captures) : 0;
 }
 
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st) {
@@ -409,7 +411,7 @@ size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t
 
 ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n) {
   struct device_graphs *g = graphs_of(device);
-  if (!g || ia_graph_captures(device) > 0) return IA_ERR_INVALID_ARGUMENT;
+  if (!g || captures(device) > 0) return IA_ERR_INVALID_ARGUMENT;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
   ia_status_t st = p ? IA_OK : IA_ERR_INVALID_ARGUMENT;

@@ -102,24 +102,6 @@ void _ia_cuda_error(const char *format, ...) __attribute__((format(printf, 1, 2)
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 
-static inline void _ia_cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
-
-/* Zeroed host memory that starts and ends on cache-line boundaries, for what one thread writes
- * while other threads' cores read what would sit beside it (arenas, thread caches, regions). */
-#define IA_CACHE_LINE 64
-static inline void *_ia_zalloc_lines(size_t size) {
-  size = _ia_align_up(size, IA_CACHE_LINE);
-  void *p = aligned_alloc(IA_CACHE_LINE, size);
-  if (p) memset(p, 0, size);
-  return p;
-}
-
 /* The one update of a statistic: n added (n < 0: taken away), the peak and the sums kept. */
 static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
   s->current += n;
@@ -131,51 +113,25 @@ static inline void _ia_stat_add(ia_stat_t *s, int64_t n) {
   }
 }
 
-/* A thread cache's change to one statistic since the arena last added it in (fold), counted from
- * zero: its current is allocated - freed, and peak is the most that reached. An increase moves
- * allocated (and the peak when passed), a decrease freed alone: one field fewer each than a
- * statistic, which keeps its current too. */
+/* A quantity summed over one device's arenas, kept as they change so that the device-wide peak is
+ * a true peak of the sum and not a sum of per-arena peaks (the sums of increases and decreases add
+ * up exactly from the arenas' own). Under the group's lock. */
 typedef struct {
-  int64_t allocated, freed, peak;
-} _ia_delta_t;
-
-static inline void _ia_delta_inc(_ia_delta_t *d, uint64_t n) {
-  d->allocated += (int64_t)n;
-  int64_t now = d->allocated - d->freed;
-  d->peak = now > d->peak ? now : d->peak; /* a conditional move: a new peak is data, not a pattern */
-}
-static inline void _ia_delta_dec(_ia_delta_t *d, uint64_t n) { d->freed += (int64_t)n; }
-
-/* Adds a cache's change: the sum's peak is raised by the most the change reached over the current
- * it started from. */
-static inline void _ia_stat_fold(ia_stat_t *s, const _ia_delta_t *d) {
-  if (s->current + d->peak > s->peak) s->peak = s->current + d->peak;
-  s->current += d->allocated - d->freed;
-  s->allocated += d->allocated;
-  s->freed += d->freed;
-}
-
-/* A quantity summed over several arenas (one device's pools), kept exact with atomics so that a
- * device-wide peak is a true peak and not a sum of per-arena peaks (the sums of increases and
- * decreases add up exactly from the arenas' own). Relaxed on Arm too: no thread reads other data
- * because of a total's value. */
-typedef struct {
-  _Atomic int64_t current, peak;
+  int64_t current, peak;
 } _ia_total_t;
 
 static inline void _ia_total_add(_ia_total_t *t, int64_t n) {
-  int64_t now = atomic_fetch_add_explicit(&t->current, n, memory_order_relaxed) + n;
-  if (n <= 0) return;
-  int64_t seen = atomic_load_explicit(&t->peak, memory_order_relaxed);
-  while (now > seen && !atomic_compare_exchange_weak_explicit(&t->peak, &seen, now, memory_order_relaxed,
-                                                              memory_order_relaxed)) {
-  }
+  t->current += n;
+  if (t->current > t->peak) t->peak = t->current;
 }
 
 typedef struct ia_totals {
+  /* Taken inside an arena's own lock, only for as long as the totals are read or updated. */
+  pthread_mutex_t lock;
   _ia_total_t in_use, requested, blocks, capacity, regions;
-  /* Growth of any arena of the group stops where capacity would pass this (0: no limit). Checked
-   * under each arena's own lock, so two arenas growing at once can pass it by one region. */
+  /* Growth of any arena of the group stops where capacity would pass this (0: no limit). Each
+   * arena checks before it grows, under its own lock, so two arenas growing at once can pass it by
+   * one region. Atomic: set by torch.cuda.set_per_process_memory_fraction outside every lock. */
   _Atomic uint64_t limit;
   /* Streams of the device capturing CUDA graphs now (begun and not ended allocate-to-pool scopes):
    * while any do, no arena watching it gives memory back. The frees it holds back pass under the
@@ -248,7 +204,7 @@ ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int de
 ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,
                                      ia_backend_t **out);
 
-/* ---- Block headers, the address table and thread caches: between arena.c and thread_cache.c ---- */
+/* ---- Size classes, block headers and the table of live blocks -------------------------------- */
 
 /* Size classes (TLSF's, Masmano et al. 2004): below 512 bytes one class per 16 bytes, above that
  * every power of two split 32 ways. */
@@ -260,57 +216,36 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
 
 static inline unsigned _ia_log2_floor(size_t n) { return 63u - (unsigned)__builtin_clzll(n); }
 
-/* Without a branch: whether a request is below the first level's limit is data, which a predictor
- * misses on about a third of a mixed workload's requests. Below it, f is taken as IA_FL_SHIFT, so
- * that the second level is size / IA_ALIGN and the first level comes out 0. */
+/* Below the first level's limit, f is taken as IA_FL_SHIFT, so that the second level is
+ * size / IA_ALIGN and the first level comes out 0. */
 static inline void _ia_class_of(size_t size, unsigned *fl, unsigned *sl) {
   unsigned f = _ia_log2_floor(size | ((size_t)1 << IA_FL_SHIFT));
   *sl = (unsigned)(size >> (f - IA_SL_BITS)) & (IA_SL_COUNT - 1);
   *fl = f - (IA_FL_SHIFT - 1) - (size < ((size_t)1 << IA_FL_SHIFT));
 }
 
-typedef struct _ia_tcache _ia_tcache_t;
 typedef struct _ia_region _ia_region_t;
 
-/* One block of a region, kept in host memory (the region is usually device memory). The fields a
- * thread cache's take and put touch come first, in one cache line (blocks are 64-byte aligned). */
+/* One block of a region, kept in host memory (the region is usually device memory). */
 typedef struct _ia_block {
   uintptr_t addr;
   size_t size;
   size_t requested;
-  /* Free in the arena: its class list there. Free in a thread cache: the cache's class list.
-   * Unused header: the slab's spare list. */
+  /* Free: its class list. Unused header: the slab's spare list. */
   struct _ia_block *free_prev, *free_next;
   ia_stream_t stream;
   uint32_t n_uses;
   uint8_t fl, sl;
   bool is_free; /* in one of the arena's classes */
-  bool cached;  /* lent and free in its cache: handed out by no one */
-  /* Lent: whether it is a split region's block (_ia_split_free), which holds while it is lent, so
-   * that the fast path counts inactive_split without reading the region's header. */
-  bool split;
-  /* Lent, and freed by a thread that does not own its cache: on the cache's remote frees. */
-  bool freed_remotely;
-  /* The thread cache the block is lent to, or NULL. Lending and taking back happen under the
-   * arena's lock with the cache claimed (or by its owner); while lent, the fields except addr, size,
-   * region and the physical links belong to the cache (but for a handed-out block's streams, which
-   * whoever holds it records: arena_streams.c), and the arena neither splits nor merges the
-   * block (a mapped arena's cut and join rename the region of every block of a stretch). */
-  _ia_tcache_t *cache;
   _ia_region_t *region;
   struct _ia_block *phys_prev, *phys_next;
   uint64_t free_seq;
   ia_stream_t *uses; /* other streams recorded with ia_arena_record_stream */
   uint32_t cap_uses;
-} __attribute__((aligned(IA_CACHE_LINE))) _ia_block_t;
-/* Lent to a cache but handed out to no one: free in the cache, or freed by another thread and
- * waiting on the cache's remote frees. A second free or a record_stream of it is refused. */
-static inline bool _ia_lent_and_free(const _ia_block_t *b) { return b->cache && (b->cached || b->freed_remotely); }
-_Static_assert(offsetof(_ia_block_t, cache) <= IA_CACHE_LINE && IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256,
-               "a block's fast-path fields fill its first cache line; its classes fit in bytes");
+} _ia_block_t;
+_Static_assert(IA_FL_COUNT <= 256 && IA_SL_COUNT <= 256, "a block's classes fit in bytes");
 
-/* Records b's size class in b (fl, sl): where the arena files it as free, and where a thread cache
- * is lent it (its size then holds until the arena has it back). */
+/* Records b's size class in b (fl, sl), where the arena files it as free. */
 static inline void _ia_file_class(_ia_block_t *b) {
   unsigned fl, sl;
   _ia_class_of(b->size, &fl, &sl);
@@ -318,106 +253,15 @@ static inline void _ia_file_class(_ia_block_t *b) {
   b->sl = (uint8_t)sl;
 }
 
-/* Blocks by address: open addressing, linear probing, backward-shift deletion. The arena's table
- * holds every block it does not have free (live and lent ones); a cache's, the blocks lent to it. */
+/* Live blocks by address: open addressing, linear probing, backward-shift deletion. */
 typedef struct {
   _ia_block_t **slots;
   size_t mask, count;
 } _ia_table_t;
 
 bool _ia_table_insert(_ia_table_t *t, _ia_block_t *b); /* false: no memory to grow it */
-static inline size_t _ia_table_slot_of(const _ia_table_t *t, uintptr_t addr) {
-  return (size_t)(((uint64_t)addr >> IA_ALIGN_SHIFT) * 0x9E3779B97F4A7C15ull >> 20) & t->mask;
-}
-/* Inline: every free of a thread cache's block looks its address up. */
-static inline _ia_block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr, size_t *slot) {
-  if (!t->slots) return NULL;
-  for (size_t i = _ia_table_slot_of(t, addr);; i = (i + 1) & t->mask) {
-    _ia_block_t *b = t->slots[i];
-    if (!b) return NULL;
-    if (b->addr == addr) {
-      if (slot) *slot = i;
-      return b;
-    }
-  }
-}
-void _ia_table_remove_slot(_ia_table_t *t, size_t slot);
+_ia_block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr);
 void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
-
-/* Thread caches (thread_cache.c). A thread that allocates from an arena with thread_cache set gets
- * a cache for it: the blocks it allocates are lent to the cache, so that their free, on the same
- * thread, keeps them in the cache without the arena's lock, and an allocation on the same stream
- * takes one back the same way. The arena sees a lent block as not free, so it neither hands it out
- * nor merges it until the cache gives it back: when the cache holds more free bytes than its limit
- * (largest blocks first), when a request fits nowhere else, when the thread exits, and whenever the
- * arena needs its merged free state (arena_caches.c: drain). Lock order: the registry lock (thread
- * exit, arena destruction), then an arena's lock, then claims on its caches; a cache's owner enters
- * its cache alone on the fast path. */
-
-/* The fast path's counters, which the arena adds into its own with the cache claimed (fold). */
-typedef struct {
-  /* Changes since the last fold, counted from zero (a peak is the most the change reached); active
-   * blocks and bytes move with blocks and in_use. */
-  _ia_delta_t in_use, requested, blocks, inactive_split, inactive_split_bytes;
-} _ia_tcache_counts_t;
-
-/* Caches keep free blocks of up to the arena's thread_cache_block bytes, thread_cache bytes in
- * all. Making a thread's cache, on its first allocation from the arena, takes the arena's lock to
- * join its list (_ia_arena_attach_cache), never the registry lock, so it may run under another
- * arena's lock. */
-bool _ia_arena_attach_cache(ia_arena_t *arena, _ia_tcache_t *cache);
-/* Thread exit, under the registry lock: the arena takes back everything the cache holds. */
-void _ia_arena_cache_exit(ia_arena_t *arena, _ia_tcache_t *cache);
-
-/* The fast paths of ia_arena_alloc and ia_arena_free, each in the cache alone, doing all
- * that the arena's lock would have (the cache's counters, the device totals, the trace), and
- * calling the arena's locked paths below for what the cache cannot serve.
- * alloc: a free block of the calling thread's cache for `size` bytes on `stream` (same stream; its
- * size class or one of the next two, CLASSES_UP in thread_cache.c), made on first use.
- * free: a block handed out from the calling thread's cache, freed on `stream`, stays in it as free;
- * a cache past its limit is trimmed. */
-ia_status_t _ia_tcache_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out);
-ia_status_t _ia_tcache_free(ia_arena_t *a, void *ptr, ia_stream_t stream);
-/* arena.c: the same under the arena's lock. c: the calling thread's cache, to lend the block to
- * (NULL: none). trim_cache: the cache's largest free blocks go back until it is within its limit.
- * bad_free: counts a refused free and returns st. */
-ia_status_t _ia_alloc_locked(ia_arena_t *a, size_t size, ia_stream_t stream, _ia_tcache_t *c, void **out);
-ia_status_t _ia_free_locked(ia_arena_t *a, void *ptr, ia_stream_t stream);
-/* The rest of a free whose streams, totals and trace are settled: b out of the table, counted,
- * free in the arena's classes. */
-void _ia_free_later(ia_arena_t *a, _ia_block_t *b);
-void _ia_trim_cache(ia_arena_t *a, _ia_tcache_t *c);
-ia_status_t _ia_bad_free(ia_arena_t *a, ia_status_t st);
-
-/* The arena's side, under the arena's lock. A thread that touches caches other than its own claims
- * them first (thread_cache_claims.c: one process-wide barrier for all of them) and releases them after;
- * its own needs no claim, and claim and release pass over it. */
-void _ia_tcache_claim(_ia_tcache_t *const *caches, size_t n);
-void _ia_tcache_release(_ia_tcache_t *const *caches, size_t n);
-bool _ia_tcache_mine(const _ia_tcache_t *c); /* the calling thread's */
-/* Whether the cache seemed to keep free blocks or remote frees a moment ago: read unclaimed. */
-bool _ia_tcache_may_hold(const _ia_tcache_t *c);
-/* A lent block handed out and freed by another thread joins the cache's remote frees, which need no
- * claim: the owner's fast path never reads them. take_remote_frees empties the list (claimed). */
-void _ia_tcache_free_remotely(_ia_tcache_t *c, _ia_block_t *b);
-_ia_block_t *_ia_tcache_take_remote_frees(_ia_tcache_t *c);
-/* The rest with the cache claimed (or the caller's own). */
-_ia_tcache_counts_t _ia_tcache_fold(_ia_tcache_t *c); /* returns the counts and zeroes them */
-bool _ia_tcache_lend(const ia_arena_t *a, _ia_tcache_t *c, _ia_block_t *b); /* false: b stays the arena's */
-void _ia_tcache_unlend(_ia_tcache_t *c, _ia_block_t *b);
-/* A free block of the cache, out of it and no longer lent (the newest of the largest class), while
- * the cache keeps more than its limit, or while it keeps any with `all`; else NULL. */
-_ia_block_t *_ia_tcache_evict(_ia_tcache_t *c, bool all);
-void _ia_tcache_free_info(const _ia_tcache_t *c, uint64_t *bytes, uint64_t *blocks, uint64_t *largest);
-bool _ia_tcache_holds(const _ia_tcache_t *c, const _ia_block_t *b); /* lent to it */
-size_t _ia_tcache_lent(const _ia_tcache_t *c); /* blocks lent to it */
-bool _ia_tcache_check(const _ia_tcache_t *c, char *msg, size_t msg_len);
-/* Thread exit: every block still lent to the cache is handed out; they become the arena's. */
-void _ia_tcache_unlend_all(_ia_tcache_t *c);
-/* The arena is going: the cache forgets its blocks and its arena (its thread frees it later). */
-void _ia_tcache_orphan(_ia_tcache_t *c);
-void _ia_tcache_registry_lock(void);
-void _ia_tcache_registry_unlock(void);
 
 ia_status_t _ia_trace_resize(ia_trace_t *trace, size_t capacity);
 void _ia_trace_record(ia_trace_t *trace, ia_trace_action_t action, int32_t device, uint8_t pool,
@@ -428,9 +272,8 @@ const char *_ia_format_bytes(uint64_t bytes, char *buf, size_t len);
 
 /* ---- The arena's state and the calls between its files (arena*.c) -------------------------------
  * arena.c: size classes, allocation and free; arena_regions.c: reservations; arena_blocks.c: block
- * headers and the address table; arena_streams.c: stream-ordered reuse; arena_mapped.c: mapped stretches; arena_caches.c:
- * the arena's side of thread caches; arena_stats.c: statistics and listings; arena_check.c: the
- * invariant walk. Everything below runs under the arena's lock unless it says otherwise. */
+ * headers and the address table; arena_streams.c: stream-ordered reuse; arena_mapped.c: mapped
+ * stretches; arena_stats.c: statistics and listings; arena_check.c: the invariant walk. Everything below runs under the arena's lock unless it says otherwise. */
 
 #define IA_SLAB_BLOCKS 256
 /* No reservation comes near this; above it the class arithmetic could overflow. */
@@ -457,10 +300,7 @@ typedef struct {
 } _ia_stream_state_t;
 
 struct ia_arena {
-  /* Set up once (at creation, joining a device's group, or when tracing starts or stops) and read
-   * by every thread's fast path without the lock: on cache lines of their own, so that the lock and
-   * what it guards, which any thread's locked operation writes, do not take these lines from the
-   * other threads' cores. */
+  /* Set at creation, or when the arena joins a device's group, before other threads see it. */
   ia_arena_options_t opts;
   ia_backend_t *backend;
   uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
@@ -468,18 +308,16 @@ struct ia_arena {
   const _Atomic int *captures; /* the device's capture count, when it has one */
   _ia_region_hook_t on_region;
   void *on_region_ctx;
-  /* Atomic: the thread-cache fast path records without the lock. The tag is device << 8 | pool.
-   * Release (ia_arena_set_trace) and acquire (_ia_arena_trace): a thread that sees the pointer
-   * sees the trace made (its ring and lock), which a weakly ordered CPU would otherwise not
-   * promise. The tag, stored before the pointer, is read relaxed: any tag seen is a whole value. */
-  ia_trace_t *_Atomic trace;
-  _Atomic uint64_t trace_tag;
   /* Over a mapping backend: its page and the one address range (page 0: regions are reservations). */
   size_t page;
   uintptr_t range_base;
   size_t range_size;
 
-  _Alignas(IA_CACHE_LINE) pthread_mutex_t lock;
+  /* Guards everything below, and what the arena's backend does for it. */
+  pthread_mutex_t lock;
+
+  ia_trace_t *trace;
+  uint64_t trace_tag; /* device << 8 | pool */
 
   _ia_region_t *regions; /* oldest first: a region's index in reports stays put as others come */
 
@@ -487,7 +325,7 @@ struct ia_arena {
   uint32_t sl_bitmap[IA_FL_COUNT];
   _ia_block_t *bins[IA_FL_COUNT][IA_SL_COUNT];
 
-  _ia_table_t table; /* every block not free here: live, or lent to a thread cache */
+  _ia_table_t table; /* the live blocks */
 
   _ia_slab_t *slabs;
   _ia_block_t *spare_blocks;
@@ -496,57 +334,26 @@ struct ia_arena {
   size_t n_streams, cap_streams;
   uint64_t free_seq;
 
-  _ia_tcache_t **caches; /* the threads' caches of this arena */
-  size_t n_caches, cap_caches;
-
   ia_stats_t stats;
 };
 
-/* The arena's lock. A thread that finds it taken retries for a while (microseconds: a few hundred
- * pauses) before the mutex may put it to sleep, since the locked paths hold it for well under a
- * microsecond and a sleeping waiter costs the holder a wake-up in the kernel and itself a
- * reschedule (benchmarks/RESULTS.md, the C core under threads). */
-void _ia_arena_lock_contended(ia_arena_t *a);
-static inline void _ia_arena_lock(ia_arena_t *a) {
-  if (__builtin_expect(pthread_mutex_trylock(&a->lock) != 0, 0)) _ia_arena_lock_contended(a);
-}
+static inline void _ia_arena_lock(ia_arena_t *a) { pthread_mutex_lock(&a->lock); }
 static inline void _ia_arena_unlock(ia_arena_t *a) { pthread_mutex_unlock(&a->lock); }
 
 static inline void _ia_arena_trace(ia_arena_t *a, ia_trace_action_t action, uintptr_t address, uint64_t size,
                                    ia_stream_t stream) {
-  ia_trace_t *t = atomic_load_explicit(&a->trace, memory_order_acquire);
-  if (!t) return;
-  uint64_t tag = atomic_load_explicit(&a->trace_tag, memory_order_relaxed);
-  _ia_trace_record(t, action, (int32_t)(tag >> 8), (uint8_t)tag, address, size, stream);
+  if (a->trace)
+    _ia_trace_record(a->trace, action, (int32_t)(a->trace_tag >> 8), (uint8_t)a->trace_tag, address, size, stream);
 }
 
-/* Where the arena's quantities change: a block becoming live (sign 1) or no longer live (-1),
- * capacity and regions gained or given back, and free blocks of split regions (arena_stats.c).
- * The device totals follow without the arena's lock (the thread-cache fast path calls
- * _ia_totals_live alone: its arena counts come through the fold). */
-static inline void _ia_totals_live(ia_totals_t *t, int64_t sign, int64_t bytes, int64_t requested) {
-  if (!t) return;
-  _ia_total_add(&t->in_use, sign * bytes);
-  _ia_total_add(&t->requested, sign * requested);
-  _ia_total_add(&t->blocks, sign);
-}
-static inline void _ia_count_stats(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
-  ia_stats_t *s = &a->stats;
-  _ia_stat_add(&s->in_use, sign * bytes);
-  _ia_stat_add(&s->active_bytes, sign * bytes);
-  _ia_stat_add(&s->requested, sign * requested);
-  _ia_stat_add(&s->blocks, sign);
-  _ia_stat_add(&s->active, sign);
-}
-static inline void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested) {
-  _ia_count_stats(a, sign, bytes, requested);
-  _ia_totals_live(a->totals, sign, bytes, requested);
-}
+/* Where the arena's quantities change, and its device's totals with them (arena_stats.c): a block
+ * becoming live (sign 1) or no longer live (-1), capacity and regions gained or given back, and
+ * free blocks of split regions. */
+void _ia_count_live(ia_arena_t *a, int64_t sign, int64_t bytes, int64_t requested);
 void _ia_count_capacity(ia_arena_t *a, int64_t bytes);
 void _ia_count_regions(ia_arena_t *a, int64_t n);
 /* What free block b adds to inactive_split: 1 and its bytes when its region is split (it is not the
- * whole region), else nothing; nothing in a mapping arena. Regions that are reservations never change
- * size, so the answer for a block lent to a thread cache holds while it is lent (its split bit). */
+ * whole region), else nothing; nothing in a mapping arena. */
 static inline bool _ia_split_free(const ia_arena_t *a, const _ia_block_t *b) {
   return !a->page && b->size < b->region->size;
 }
@@ -561,8 +368,7 @@ void _ia_bin_insert(ia_arena_t *a, _ia_block_t *b);
 void _ia_bin_remove(ia_arena_t *a, _ia_block_t *b);
 _ia_block_t *_ia_find_free(ia_arena_t *a, size_t size);
 void _ia_merge_into(ia_arena_t *a, _ia_block_t *left, _ia_block_t *right);
-/* counted_free: b was counted as free already (a thread cache kept it). */
-void _ia_make_free(ia_arena_t *a, _ia_block_t *b, ia_stream_t stream, bool counted_free);
+void _ia_make_free(ia_arena_t *a, _ia_block_t *b, ia_stream_t stream);
 /* arena_regions.c */
 _ia_region_t *_ia_region_of(const ia_arena_t *a, uintptr_t p);
 ia_status_t _ia_region_add(ia_arena_t *a, size_t size);
@@ -581,14 +387,6 @@ ia_status_t _ia_reserve_range(ia_arena_t *a);
 ia_status_t _ia_grow_mapped(ia_arena_t *a, size_t size);
 uint64_t _ia_release_mapped(ia_arena_t *a);
 void _ia_unmap_all(ia_arena_t *a);
-/* arena_caches.c (a cache named is claimed, or the caller's own). collect: fold, then give back
- * the cache's remote frees; collect_all claims every cache to do so. */
-void _ia_fold(ia_arena_t *a, _ia_tcache_t *c);
-void _ia_collect(ia_arena_t *a, _ia_tcache_t *c);
-void _ia_collect_all(ia_arena_t *a);
-void _ia_drain(ia_arena_t *a);
-void _ia_trim(ia_arena_t *a, _ia_tcache_t *c);
-_ia_block_t *_ia_find_reclaiming(ia_arena_t *a, size_t rsize, _ia_tcache_t *mine);
 /* arena_check.c */
 void _ia_arena_debug_check(ia_arena_t *a);
 #if IA_DEBUG

@@ -8,9 +8,7 @@
  *   small      growable, requests up to 1 MiB, 2 MiB regions;
  *   large      growable, 20 MiB regions for requests under 10 MiB, exact 2 MiB multiples above.
  * The general arenas are the caching layer for every other tensor: a freed block goes back to its
- * arena, stream-ordered, and no tensor costs a cudaMalloc once its size class has a region. Each
- * thread keeps a cache of its own freed blocks in them (thread_cache.c), so that threads allocating
- * at once do not queue on an arena's lock.
+ * arena, stream-ordered, and no tensor costs a cudaMalloc once its size class has a region.
  * Region sizes follow PyTorch's own caching allocator so that peak memory stays comparable.
  * Where the driver maps pages (expandable, default auto), each general arena is instead one
  * address range of the device's size whose 2 MiB pages are mapped as blocks need them and unmapped
@@ -46,21 +44,10 @@
 #define TORCH_SMALL_SEGMENT (2 * MiB)
 #define TORCH_MIN_LARGE_SEGMENT (20 * MiB)
 #define TORCH_SEGMENT_ROUND (2 * MiB)
-/* Thread caches of the general pools (ia_arena_options_t.thread_cache): PyTorch allocates from
- * several threads (the main thread, autograd's device threads, data-loading threads pinning
- * memory), and a thread mostly frees and reallocates the same tensor sizes on its own stream. A
- * cache never makes a pool grow (the arena takes the caches' blocks back first), so what it costs is
- * unmerged free blocks, bounded per thread by these sizes (and by 1,024 blocks, which bounds the
- * work of taking them back). A pool grows only while the caches are empty, so their blocks are its
- * slack: a larger cache keeps more of it unmerged and sends more requests to take blocks back one by
- * one (benchmarks/RESULTS.md compares the sizes). The small pool's blocks are 1 MiB at most; in the large pool only
- * blocks up to 8 MiB are kept, where the lock's cost is not yet negligible beside the work on the
- * tensor. */
-#define SMALL_THREAD_CACHE (16 * MiB)
-#define LARGE_THREAD_CACHE (32 * MiB)
-#define LARGE_THREAD_CACHE_BLOCK (8 * MiB)
-
-_ia_plugin_t _ia_plugin = {.lock = PTHREAD_MUTEX_INITIALIZER};
+_ia_plugin_t _ia_plugin = {
+    .lock = PTHREAD_MUTEX_INITIALIZER,
+    .devices = {[0 ... IA_MAX_DEVICES - 1] = {.totals = {.lock = PTHREAD_MUTEX_INITIALIZER}}},
+};
 __thread char _ia_failure[1024];
 
 static const char *const pool_names[IA_POOL_COUNT] = {"workspace", "small", "large"};
@@ -125,8 +112,6 @@ ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
     o->region_round = 2 * MiB;
     o->region_min = pool == IA_POOL_SMALL ? 2 * MiB : 20 * MiB;
     o->region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * MiB;
-    o->thread_cache = pool == IA_POOL_SMALL ? SMALL_THREAD_CACHE : LARGE_THREAD_CACHE;
-    o->thread_cache_block = pool == IA_POOL_SMALL ? IA_SMALL_REQUEST : LARGE_THREAD_CACHE_BLOCK;
   }
   return IA_OK;
 }
@@ -320,9 +305,9 @@ void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s) {
 }
 
 /* The device's exact current and peak of a quantity its totals keep; the sums came from the arenas. */
-static void exact(ia_stat_t *s, _ia_total_t *t) {
-  s->current = atomic_load(&t->current);
-  s->peak = atomic_load(&t->peak);
+static void exact(ia_stat_t *s, const _ia_total_t *t) {
+  s->current = t->current;
+  s->peak = t->peak;
 }
 
 void ia_plugin_device_stats(int device, ia_stats_t *out) {
@@ -337,11 +322,13 @@ void ia_plugin_device_stats(int device, ia_stats_t *out) {
   }
   _ia_graph_add_stats(device, -1, out);
   ia_totals_t *t = &_ia_plugin.devices[device].totals;
+  pthread_mutex_lock(&t->lock);
   exact(&out->in_use, &t->in_use);
   exact(&out->requested, &t->requested);
   exact(&out->blocks, &t->blocks);
   exact(&out->capacity, &t->capacity);
   exact(&out->regions, &t->regions);
+  pthread_mutex_unlock(&t->lock);
   out->active = out->blocks; /* no arena holds a freed block back (arena.h) */
   out->active_bytes = out->in_use;
   out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;

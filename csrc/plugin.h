@@ -34,8 +34,8 @@ typedef struct {
   pthread_mutex_t lock; /* guards configuration and device creation */
   bool configured;
   ia_plugin_config_t config; /* its strings are plugin.c's own copies */
-  /* The traces are made and read under the lock; arenas get them through ia_arena_set_trace's
-   * release store. A graph pool's arena made under the graph pools' lock alone reads graph_trace
+  /* The traces are made and read under the lock; arenas get them through ia_arena_set_trace,
+   * under their own lock. A graph pool's arena made under the graph pools' lock alone reads graph_trace
    * with acquire, which its release store pairs with: on Arm a thread could otherwise see the
    * pointer before the trace it points to is made. */
   ia_trace_t *trace;                /* the eager arenas': the ring (trace:N, alloc.trace) and the sink */

@@ -1,26 +1,16 @@
-/* Microbenchmark of the arena core: alloc+free pairs over a mixed size distribution.
+/* Microbenchmark of the arena core beside glibc: alloc+free pairs over a mixed size distribution.
  *
  * Each thread keeps a window of live blocks and, per pair, frees a random one and allocates a new
- * one of a random size (log-uniform, 16 B to 1 MiB), so the arena always holds a realistic mix of
- * live blocks and holes. All threads share one arena. ALLOCATOR is "arena", with thread caches of
- * THREAD_CACHE_MIB per thread (blocks up to 1 MiB, as the plugin's small pool), "locked", the same
- * arena without them (every operation takes the arena's lock), "plugin", the process-scope
- * plugin's general pools on host memory (ia_torch_alloc/ia_torch_free: pools by size, a free finds
- * its arena in the region registry; their thread caches are the plugin's), or "malloc", glibc
- * malloc/free on the same sequence. One allocator per process: glibc's heap adapts its thresholds to what ran
- * before in the process (the arena's own bookkeeping included), which would bias the reference;
- * benchmarks/alloc/bench_arena.py runs the processes in a rotated order.
- * usage: bench_arena arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]
- *        prints one line "allocator threads ns_per_pair" per repeat;
- *        bench_arena clock
- *        prints the core's clock in GHz, timed over a chain of dependent register additions (one a
- *        cycle), or "-" where that cannot be measured, so that hosts can be compared in cycles;
- *        bench_arena protocol
- *        prints how thread caches keep their owner and other threads apart in this process
- *        (ia_thread_cache_protocol);
- *        bench_arena barrier SPINNERS
- *        prints the ns one process-wide barrier (membarrier's private expedited command, what a
- *        claim on other threads' caches pays) takes while SPINNERS other threads run, or "-". */
+ * one of a random size (log-uniform, 16 B to 1 MiB), so the allocator always holds a realistic mix
+ * of live blocks and holes. All threads share one allocator. ALLOCATOR is "arena", one arena on the
+ * host backend, "plugin", the process-scope plugin's general pools on host memory
+ * (ia_torch_alloc/ia_torch_free: pools by size, a free finds its arena in the region registry:
+ * what PyTorch's calls reach, minus PyTorch), or "malloc", glibc malloc/free on the same sequence.
+ * One allocator per process: glibc's heap adapts its thresholds to what ran before in the process
+ * (the arena's own bookkeeping included), which would bias the reference;
+ * benchmarks/alloc/bench_arena.py runs the processes in a rotated order and reports ratios.
+ * usage: bench_arena arena|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS
+ *        prints one line "allocator threads ns_per_pair" per repeat. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,17 +19,10 @@
 
 #include "arena.h"
 
-#if defined(__linux__) && __has_include(<linux/membarrier.h>)
-#include <linux/membarrier.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_MEMBARRIER 1
-#endif
-
 #define WINDOW 256
 
-enum { MALLOC = 0, ARENA = 1, LOCKED = 2, PLUGIN = 3, KINDS = 4 };
-static const char *const names[KINDS] = {"malloc", "arena", "locked", "plugin"};
+enum { MALLOC = 0, ARENA = 1, PLUGIN = 2, KINDS = 3 };
+static const char *const names[KINDS] = {"malloc", "arena", "plugin"};
 
 typedef struct {
   int use_arena; /* one of the above */
@@ -48,7 +31,7 @@ typedef struct {
   double ns;
 } job_t;
 
-static ia_arena_t *arenas[KINDS]; /* [ARENA] or [LOCKED] */
+static ia_arena_t *arenas[KINDS]; /* [ARENA], or the plugin's small pool */
 static pthread_barrier_t start;
 
 static uint64_t next_random(uint64_t *s) {
@@ -111,92 +94,17 @@ static void *run(void *arg) {
   return NULL;
 }
 
-/* GHz: additions per ns over a chain of additions each waiting for the one before. The addend is a
- * register the compiler cannot see into: some cores fold additions of constants at renaming, which
- * would count several as one cycle. */
-static int print_clock(void) {
-#if defined(__x86_64__) || defined(__aarch64__)
-  const long turns = 25000000; /* 16 additions a turn */
-  unsigned long x = 0, one = 1;
-  __asm__ volatile("" : "+r"(one));
-  double best = 0;
-  for (int rep = 0; rep < 5; rep++) {
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (long i = 0; i < turns; i++) {
-#if defined(__x86_64__)
-      __asm__ volatile(".rept 16\n\tadd %1, %0\n\t.endr" : "+r"(x) : "r"(one));
-#else
-      __asm__ volatile(".rept 16\n\tadd %0, %0, %1\n\t.endr" : "+r"(x) : "r"(one));
-#endif
-    }
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    double ns = (double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec);
-    if (16.0 * (double)turns / ns > best) best = 16.0 * (double)turns / ns;
-  }
-  /* No core of today runs past 7 GHz: a higher figure means the chain was not serial after all. */
-  if (best > 7.0) printf("clock -\n");
-  else printf("clock %.3f\n", best);
-#else
-  printf("clock -\n");
-#endif
-  return 0;
-}
-
-#ifdef HAVE_MEMBARRIER
-static _Atomic int stop_spinning;
-
-static void *spin(void *arg) {
-  (void)arg;
-  while (!stop_spinning) {
-  }
-  return NULL;
-}
-
-static int print_barrier(int spinners) {
-  const int calls = 10000;
-  pthread_t tid[64];
-  if (syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) != 0) return printf("barrier -\n") < 0;
-  for (int i = 0; i < spinners; i++) pthread_create(&tid[i], NULL, spin, NULL);
-  struct timespec t0, t1;
-  clock_gettime(CLOCK_MONOTONIC, &t0);
-  for (int i = 0; i < calls; i++) syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0);
-  clock_gettime(CLOCK_MONOTONIC, &t1);
-  stop_spinning = 1;
-  for (int i = 0; i < spinners; i++) pthread_join(tid[i], NULL);
-  printf("barrier %.0f\n", ((double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec)) / calls);
-  return 0;
-}
-#else
-static int print_barrier(int spinners) {
-  (void)spinners;
-  return printf("barrier -\n") < 0;
-}
-#endif
-
 int main(int argc, char **argv) {
-  if (argc == 2 && !strcmp(argv[1], "clock")) return print_clock();
-  if (argc == 2 && !strcmp(argv[1], "protocol")) return printf("protocol %s\n", ia_thread_cache_protocol()) < 0;
-  if (argc == 3 && !strcmp(argv[1], "barrier")) {
-    int spinners = atoi(argv[2]);
-    if (spinners < 0 || spinners > 64) {
-      fprintf(stderr, "bench_arena barrier: SPINNERS must be 0 to 64, got %s\n", argv[2]);
-      return 2;
-    }
-    return print_barrier(spinners);
-  }
   int use_arena = -1;
-  for (int k = 0; argc >= 5 && k < KINDS; k++)
+  for (int k = 0; argc == 5 && k < KINDS; k++)
     if (!strcmp(argv[1], names[k])) use_arena = k;
-  if ((argc != 5 && argc != 6) || use_arena < 0) {
-    fprintf(stderr, "usage: %s arena|locked|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS [THREAD_CACHE_MIB]\n"
-            "       %s clock|protocol|barrier SPINNERS\n", argv[0], argv[0]);
+  if (use_arena < 0) {
+    fprintf(stderr, "usage: %s arena|plugin|malloc THREADS PAIRS_PER_THREAD REPEATS\n", argv[0]);
     return 2;
   }
   int threads = atoi(argv[2]);
   long pairs = atol(argv[3]);
   int repeats = atoi(argv[4]);
-  size_t cache = argc == 6 ? (size_t)atol(argv[5]) << 20 : (size_t)16 << 20; /* the plugin's small pool */
   if (threads < 1 || threads > 64) return 2;
   if (use_arena == PLUGIN) {
     ia_plugin_config_t c = {.scope = IA_SCOPE_PROCESS, .budget = (size_t)64 << 20, .alignment = 256, .host_memory = 1};
@@ -207,7 +115,6 @@ int main(int argc, char **argv) {
     ia_arena_options_t opts;
     ia_arena_default_options(&opts);
     opts.capacity = (size_t)1 << 30;
-    opts.thread_cache = use_arena == ARENA ? cache : 0;
     if (ia_host_backend_create(0, &backend) != IA_OK || ia_arena_create(&opts, backend, &arenas[use_arena]) != IA_OK)
       return 3;
   }
@@ -243,7 +150,7 @@ int main(int argc, char **argv) {
     }
     ia_stats_t s;
     ia_arena_stats(arenas[use_arena], &s);
-    if (s.in_use.current || s.free_blocks != s.regions.current) { /* the threads ended: their caches gave all back */
+    if (s.in_use.current || s.free_blocks != s.regions.current) { /* every region one free block again */
       fprintf(stderr, "%s arena: %lu bytes still in use, %lu free blocks\n", names[use_arena],
               (unsigned long)s.in_use.current, (unsigned long)s.free_blocks);
       return 1;

@@ -29,14 +29,8 @@ def build_harness(tmp_path, extra_flags=(), harness="stress"):
     return exe, subprocess.run(cmd, capture_output=True, text=True)
 
 
-# The stress runs go with and without thread caches (csrc/thread_cache.c): with them, a thread's
-# frees and reuses skip the arena's lock, the mailbox's blocks are freed by other threads than the
-# ones whose caches hold them, and the threads' exits must give every cached block back.
-CACHE = pytest.mark.parametrize("cache_kib", [None, 256], ids=["no-cache", "thread-cache"])
-
-
-def run_harness(exe, threads, ops, capacity_mib, cache_kib=None, mapped=False):
-    mode = ([] if cache_kib is None else [str(cache_kib)]) + (["mapped"] if mapped else [])
+def run_harness(exe, threads, ops, capacity_mib, mapped=False):
+    mode = ["mapped"] if mapped else []
     done = subprocess.run([str(exe), str(threads), str(ops), str(capacity_mib), *mode], capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr + done.stdout
@@ -45,96 +39,75 @@ def run_harness(exe, threads, ops, capacity_mib, cache_kib=None, mapped=False):
     return int(fields[1]), int(fields[7])  # ops, allocations served
 
 
-# A cache's owner and the other threads keep apart with membarrier where Linux has it, else with an
-# exchange on both sides (csrc/thread_cache_claims.c); IA_NO_MEMBARRIER=1 builds the second.
-CACHE_AND_PROTOCOL = pytest.mark.parametrize("cache_kib, protocol",
-                                             [(None, ()), (256, ()), (256, ("-DIA_NO_MEMBARRIER=1",))],
-                                             ids=["no-cache", "thread-cache", "thread-cache-exchange"])
-
-
-@CACHE_AND_PROTOCOL
-def test_c_threads_a_million_operations(tmp_path, cache_kib, protocol):
-    exe, built = build_harness(tmp_path, protocol)
+def test_c_threads_a_million_operations(tmp_path):
+    exe, built = build_harness(tmp_path)
     assert built.returncode == 0, built.stderr
-    ops, served = run_harness(exe, threads=4, ops=300_000, capacity_mib=64, cache_kib=cache_kib)
+    ops, served = run_harness(exe, threads=4, ops=300_000, capacity_mib=64)
     assert ops == 1_200_000
     assert served > 400_000
 
 
-@CACHE
-def test_c_threads_under_thread_sanitizer(tmp_path, cache_kib):
+def test_c_threads_under_thread_sanitizer(tmp_path):
     exe, built = build_harness(tmp_path, ["-fsanitize=thread", "-g"])
     if built.returncode != 0:
         pytest.skip(f"this toolchain cannot build with -fsanitize=thread: {built.stderr[-300:]}")
-    cache = [] if cache_kib is None else [str(cache_kib)]
-    env_check = subprocess.run([str(exe), "4", "20000", "16", *cache], capture_output=True, text=True,
-                               timeout=600)
+    env_check = subprocess.run([str(exe), "4", "20000", "16"], capture_output=True, text=True, timeout=600)
     assert env_check.returncode == 0, env_check.stderr
     assert "ThreadSanitizer" not in env_check.stderr, env_check.stderr
 
 
-@CACHE
-def test_c_threads_with_the_invariant_walk_after_every_operation(tmp_path, cache_kib):
+def test_c_threads_with_the_invariant_walk_after_every_operation(tmp_path):
     exe, built = build_harness(tmp_path, ["-DIA_DEBUG=1"])
     assert built.returncode == 0, built.stderr
-    run_harness(exe, threads=4, ops=3_000, capacity_mib=1, cache_kib=cache_kib)
+    run_harness(exe, threads=4, ops=3_000, capacity_mib=1)
 
 
-@CACHE_AND_PROTOCOL
-def test_c_threads_with_a_tight_arena(tmp_path, cache_kib, protocol):
-    """A small arena makes threads hit out-of-memory and fragmentation all the time (with caches:
-    requests that fit only once the threads' cached blocks are taken back)."""
-    exe, built = build_harness(tmp_path, protocol)
+def test_c_threads_with_a_tight_arena(tmp_path):
+    """A small arena makes threads hit out-of-memory and fragmentation all the time."""
+    exe, built = build_harness(tmp_path)
     assert built.returncode == 0, built.stderr
-    run_harness(exe, threads=4, ops=100_000, capacity_mib=1, cache_kib=cache_kib)
+    run_harness(exe, threads=4, ops=100_000, capacity_mib=1)
 
 
-EXIT_BUILDS = {
-    "plain": ([], ("12", "20000"), ("10", "5000")),
-    "exchange": (["-DIA_NO_MEMBARRIER=1"], ("12", "20000"), ("10", "5000")),
-    "invariant-walk": (["-DIA_DEBUG=1"], ("3", "500"), ("3", "300")),
-    "thread-sanitizer": (["-fsanitize=thread", "-g"], ("6", "3000"), ("6", "3000")),
-    "address-sanitizer": (["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"],
-                          ("6", "3000"), ("6", "3000")),
+DOUBLE_FREE_BUILDS = {
+    "plain": ([], ("400", "256"), ("100", "128")),
+    "invariant-walk": (["-DIA_DEBUG=1"], ("50", "64"), ("20", "32")),
+    "thread-sanitizer": (["-fsanitize=thread", "-g"], ("100", "128"), ("30", "64")),
 }
 
 
-@pytest.mark.parametrize("build", list(EXIT_BUILDS))
-@pytest.mark.parametrize("mode", ["churn", "destroy"])
-def test_c_threads_that_end_while_their_caches_hold_blocks(tmp_path, build, mode):
-    """tests/support/stress/thread_exit.c: workers with thread caches return, pthread_exit or are cancelled
-    mid-loop (churn), or see their arena destroyed and replaced while their caches hold blocks
-    (destroy); an ownership map catches a block handed out twice, canaries catch overwrites, the
-    invariant walk runs while they work, and at the end the arena is one free block."""
-    flags, churn, destroy = EXIT_BUILDS[build]
-    exe, built = build_harness(tmp_path, flags, harness="thread_exit")
+@pytest.mark.parametrize("build", list(DOUBLE_FREE_BUILDS))
+@pytest.mark.parametrize("target", ["arena", "plugin"])
+def test_c_threads_that_free_the_same_blocks_at_once(tmp_path, build, target):
+    """tests/support/stress/double_free.c (issue 36): four threads free every block of a round at
+    the same moment, on one arena or through the plugin's entry point; exactly one free of each
+    block succeeds, the others are refused as double frees, and the invariant walk holds after
+    every round."""
+    flags, arena_run, plugin_run = DOUBLE_FREE_BUILDS[build]
+    exe, built = build_harness(tmp_path, flags, harness="double_free")
     if built.returncode != 0 and "sanitizer" in build:
         pytest.skip(f"this toolchain cannot build with {build}: {built.stderr[-300:]}")
     assert built.returncode == 0, built.stderr
-    rounds, ops = churn if mode == "churn" else destroy
-    done = subprocess.run([str(exe), mode, "4", rounds, ops], capture_output=True, text=True, timeout=600)
+    rounds, blocks = arena_run if target == "arena" else plugin_run
+    done = subprocess.run([str(exe), target, "4", rounds, blocks], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.startswith("ok"), done.stdout + done.stderr[-3000:]
-    assert "ThreadSanitizer" not in done.stderr and "AddressSanitizer" not in done.stderr, done.stderr
-    fields = done.stdout.split()
-    if mode == "churn":  # every way of ending happened
-        assert all(int(fields[fields.index(word) - 1]) > 0 for word in ("returned", "exited", "cancelled"))
+    assert "ThreadSanitizer" not in done.stderr, done.stderr[-3000:]
+    frees, refused = map(int, done.stdout.split()[1:])
+    assert frees == int(rounds) * int(blocks) and refused == 3 * frees
 
 
 @pytest.mark.parametrize("flags, ops, capacity_mib", [((), 200_000, 64), ((), 50_000, 1),
                                                      (("-DIA_DEBUG=1",), 2_000, 4),
                                                      (("-fsanitize=thread", "-g"), 20_000, 16)],
                          ids=["plain", "tight", "invariant-walk", "thread-sanitizer"])
-@CACHE
-def test_c_threads_over_a_mapping_arena_while_one_gives_pages_back(tmp_path, flags, ops, capacity_mib,
-                                                                   cache_kib):
+def test_c_threads_over_a_mapping_arena_while_one_gives_pages_back(tmp_path, flags, ops, capacity_mib):
     """stress.c's mapped mode: 64 KiB pages of one range, canaries in every block, the first thread
-    releasing cached pages while the others allocate (with caches: taking back what the other
-    threads' caches keep, and the threads' exits giving theirs back); everything unmapped at the end."""
+    releasing cached pages while the others allocate; everything unmapped at the end."""
     exe, built = build_harness(tmp_path, flags)
     if built.returncode != 0 and "-fsanitize=thread" in flags:
         pytest.skip(f"this toolchain cannot build with -fsanitize=thread: {built.stderr[-300:]}")
     assert built.returncode == 0, built.stderr
-    done_ops, served = run_harness(exe, 4, ops, capacity_mib, cache_kib=cache_kib, mapped=True)
+    done_ops, served = run_harness(exe, 4, ops, capacity_mib, mapped=True)
     assert done_ops == 4 * ops and served > ops
 
 
@@ -167,8 +140,8 @@ def run_seeds_sanitized(tmp_path, harness, seeds, steps):
 
 
 def test_random_operation_sequences_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """tests/support/stress/fuzz.c: random sequences on a fixed, a growable and a mapping arena, each with
-    and without thread caches, and on the plugin's pools (host memory; general pools mapped for even
+    """tests/support/stress/fuzz.c: random sequences on a fixed, a growable and a mapping arena, and
+    on the plugin's pools (host memory; general pools mapped for even
     seeds), invariant walks along the way; seeds fixed, so a failure replays.
     Seed 4 found a carve-out giving memory back during a capture, which recorded an event on the
     capturing stream."""

@@ -34,12 +34,13 @@ EQUAL = keys("allocated_bytes", "requested_bytes", "allocation", "active", "acti
 
 # Different by design, with the reason:
 DIFFER = {
-    # the arena's thread caches keep freed blocks unmerged for reuse on the same stream, and it
-    # places by its own best fit over size classes: the memory held and its segments differ
-    **{k: "placement and caching" for k in keys("reserved_bytes", "segment")},
-    # free blocks of split segments: a block a thread cache keeps is free and unmerged, where
-    # PyTorch merges it at once (mapped pools and expandable segments both count none: equal there)
-    **{k: "thread caches keep freed blocks unmerged" for k in keys("inactive_split", "inactive_split_bytes")},
+    # the arena places by its own best fit over size classes, in regions or pages of its own
+    # sizes: the memory held and its segments differ
+    **{k: "placement and region sizes" for k in keys("reserved_bytes", "segment")},
+    # free blocks of split segments follow from placement (mapped pools and expandable segments
+    # both count none: equal there)
+    **{k: "placement differs, so do split segments' free blocks"
+       for k in keys("inactive_split", "inactive_split_bytes")},
     "num_device_alloc": "regions (or page mappings) differ from PyTorch's segments",
     "num_device_free": "as num_device_alloc",
 }

@@ -1,14 +1,14 @@
 /* Random operation sequences against the core, for a build with -fsanitize=address,undefined:
- * a fixed and a growable arena on the host backend and a growable arena over its page mapping,
- * each with and without thread caches (allocations of any size on a few streams, frees of live,
- * freed, interior and foreign pointers, record_stream, release_cached, allocation at an address,
- * stream completion), and the plugin's graph pools on host memory (begin, a simulated capture,
- * allocations in the pool and eagerly, frees held back and run, release, checkpoint and restore),
- * its general pools mapped for even seeds. The mapping arenas write a canary byte at both ends of
- * every block, so a block on an unmapped page faults, and check it at the free; their backends
- * must have refused no call and hold exactly the arena's capacity, and with nothing live a release
- * must unmap every page, blocks kept by a thread cache included. The invariant walk runs every 64
- * operations; any broken invariant, sanitizer report or wrong status ends the run.
+ * a fixed and a growable arena on the host backend and a growable arena over its page mapping
+ * (allocations of any size on a few streams, frees of live, freed, interior and foreign pointers,
+ * record_stream, release_cached, allocation at an address, stream completion), and the plugin's
+ * graph pools on host memory (begin, a simulated capture, allocations in the pool and eagerly,
+ * frees held back and run, release, checkpoint and restore), its general pools mapped for even
+ * seeds. The mapping arenas write a canary byte at both ends of every block, so a block on an
+ * unmapped page faults, and check it at the free; their backends must have refused no call and
+ * hold exactly the arena's capacity, and with nothing live a release must unmap every page. The
+ * invariant walk runs every 64 operations; any broken invariant, sanitizer report or wrong status
+ * ends the run.
  *
  * usage: fuzz SEED OPERATIONS   (prints "ok" or fails) */
 #include <setjmp.h>
@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena.h"
+#include "arena_testing.h"
 
 #define LIVE 256
 #define STREAM_NONE ((ia_stream_t)UINTPTR_MAX) /* free on the block's own stream */
@@ -287,10 +287,10 @@ int main(int argc, char **argv) {
   rng_state = strtoull(argv[1], NULL, 10);
   long ops = atol(argv[2]);
   refused_creations();
-  /* fixed, growable, mapping; the same three with thread caches */
-  subject_t subjects[6] = {{0}};
-  for (int i = 0; i < 6; i++) {
-    int kind = i % 3;
+  /* fixed, growable, mapping */
+  subject_t subjects[3] = {{0}};
+  for (int i = 0; i < 3; i++) {
+    int kind = i;
     ia_arena_options_t o;
     ia_arena_default_options(&o);
     o.alignment = (size_t)256 << (kind == 1);
@@ -298,7 +298,6 @@ int main(int argc, char **argv) {
     else o.growable = true, o.region_min = 2 << 20, o.region_exact_above = 4 << 20, o.limit = 64 << 20;
     /* The mapping arena: 64 KiB pages, a range wider than its limit, a backend that fits less. */
     if (kind == 2) o.address_range = 256 << 20, o.limit = 96 << 20, subjects[i].mapped = true;
-    if (i >= 3) o.thread_cache = (size_t)(kind ? 8 : 2) << 20;
     ia_status_t st = kind == 2 ? ia_host_mapping_backend_create(48 << 20, 64 << 10, &subjects[i].host)
                                : ia_host_backend_create(128 << 20, &subjects[i].host);
     if (st != IA_OK) return 1;
@@ -310,11 +309,11 @@ int main(int argc, char **argv) {
                           .host_page_size = 64 << 10};
   if (ia_plugin_configure(&c) != IA_OK) return 1;
   for (long op = 0; op < ops; op++) {
-    int which = (int)below(9);
-    if (which < 6) arena_step(&subjects[which], op);
+    int which = (int)below(6);
+    if (which < 3) arena_step(&subjects[which], op);
     else plugin_step(op);
   }
-  for (int i = 0; i < 6; i++) {
+  for (int i = 0; i < 3; i++) {
     drain(&subjects[i], ops);
     ia_arena_destroy(subjects[i].arena);
   }

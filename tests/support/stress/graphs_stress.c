@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena.h"
+#include "arena_testing.h"
 
 static long ops_per_thread, graphs;
 static _Atomic unsigned long canary_failures;

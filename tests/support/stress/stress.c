@@ -3,16 +3,12 @@
  * other threads through a shared mailbox; whoever frees a block first checks its canary. At the
  * end every block is freed and the arena must be one free block again.
  *
- * With THREAD_CACHE_KIB, every thread keeps a cache of that many KiB of its free blocks
- * (thread_cache): a thread's frees and reuses skip the arena's lock, frees of blocks other threads
- * allocated do not, and the threads' exits must give every cached block back.
- *
  * With "mapped", the arena maps 64 KiB pages of one address range (the host backend's simulation,
  * holding at most CAPACITY_MIB) and the first thread also gives cached pages back every 1,024
- * operations while the others allocate (with caches: taking back the blocks the other threads'
- * caches keep); at the end everything must unmap, with no call the driver would refuse.
+ * operations while the others allocate; at the end everything must unmap, with no call the driver
+ * would refuse.
  *
- * usage: stress THREADS OPS_PER_THREAD CAPACITY_MIB [THREAD_CACHE_KIB] [mapped]
+ * usage: stress THREADS OPS_PER_THREAD CAPACITY_MIB [mapped]
  *        (prints "ok <ops> <ms>" or fails) */
 #include <pthread.h>
 #include <stdio.h>
@@ -133,13 +129,9 @@ static void *worker(void *arg) {
 }
 
 int main(int argc, char **argv) {
-  int extra = argc - 4; /* [THREAD_CACHE_KIB] [mapped] */
-  mapped = extra >= 1 && strcmp(argv[argc - 1], "mapped") == 0;
-  extra -= mapped;
-  char *end = NULL;
-  size_t cache_kib = extra == 1 ? strtoul(argv[4], &end, 10) : 0;
-  if (extra < 0 || extra > 1 || (end && (*end || end == argv[4]))) {
-    fprintf(stderr, "usage: %s THREADS OPS_PER_THREAD CAPACITY_MIB [THREAD_CACHE_KIB] [mapped]\n", argv[0]);
+  mapped = argc == 5 && strcmp(argv[4], "mapped") == 0;
+  if (argc != 4 && !mapped) {
+    fprintf(stderr, "usage: %s THREADS OPS_PER_THREAD CAPACITY_MIB [mapped]\n", argv[0]);
     return 2;
   }
   int threads = atoi(argv[1]);
@@ -150,7 +142,6 @@ int main(int argc, char **argv) {
   ia_arena_default_options(&opts);
   opts.capacity = capacity;
   opts.alignment = 64;
-  opts.thread_cache = cache_kib << 10;
   if (mapped) opts.capacity = 0, opts.growable = true, opts.address_range = 4 * capacity;
   ia_status_t st = mapped ? ia_host_mapping_backend_create(capacity, 64 << 10, &backend)
                           : ia_host_backend_create(0, &backend);

@@ -1,0 +1,26 @@
+/* indexer-arena: what the tests and the harnesses reach beside the public interface (arena.h).
+ *
+ * The cffi builder reads this file after arena.h, the same way (alloc/_build.py), so the Python
+ * tests see these too; the same rules hold: plain declarations once preprocessed with IA_CDEF. */
+#ifndef INDEXER_ARENA_TESTING_H
+#define INDEXER_ARENA_TESTING_H
+
+#ifndef IA_CDEF
+#include "arena.h"
+#endif
+
+/* CUDA graph capture, simulated for every host backend at once: the stream captures under the id
+ * (non-zero) until ia_host_capture_end. Breaks of CUDA's capture rules are counted, not enforced
+ * (see backend_host.c); a capturing stream's wait on an outside event counts as a host wait. */
+bool ia_host_capture_begin(ia_stream_t stream, uint64_t capture);
+void ia_host_capture_end(ia_stream_t stream);
+uint64_t ia_host_capture_violations(void);
+uint64_t ia_host_capture_host_waits(void);
+
+/* The backend the arena took, to read the host backend's or the guard's counters through it. */
+const ia_backend_t *ia_arena_backend(const ia_arena_t *arena);
+
+/* ia_arena_check over every arena of a CUDA graph pool. */
+bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len);
+
+#endif /* INDEXER_ARENA_TESTING_H */
