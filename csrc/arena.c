@@ -230,24 +230,30 @@ static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_st
   _ia_arena_trace(a, IA_TRACE_ALLOC, b->addr, size, stream);
 }
 
-static ia_status_t alloc(ia_arena_t *a, size_t size, ia_stream_t stream, bool grow, void **out);
+static ia_status_t alloc(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, bool grow, void **out);
 
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
-  return size == 0 ? IA_OK : alloc(a, size, stream, true, out);
+  return size == 0 ? IA_OK : alloc(a, size, size, stream, true, out);
+}
+
+ia_status_t _ia_arena_alloc_reserving(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, void **out) {
+  *out = NULL;
+  return size == 0 ? IA_OK : alloc(a, size, reserve > size ? reserve : size, stream, true, out);
 }
 
 ia_status_t ia_arena_alloc_cached(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
-  return size == 0 ? IA_OK : alloc(a, size, stream, false, out);
+  return size == 0 ? IA_OK : alloc(a, size, size, stream, false, out);
 }
 
-static ia_status_t alloc(ia_arena_t *a, size_t size, ia_stream_t stream, bool grow, void **out) {
+/* reserve (>= size): the bytes the block takes at least; its requested bytes stay size. */
+static ia_status_t alloc(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, bool grow, void **out) {
   _ia_arena_lock(a);
   ia_status_t st = IA_ERR_OUT_OF_MEMORY;
   block_t *b = NULL;
-  if (size <= IA_MAX_REQUEST) {
-    size_t rsize = _ia_align_up(size, a->opts.alignment);
+  if (reserve <= IA_MAX_REQUEST) {
+    size_t rsize = _ia_align_up(reserve, a->opts.alignment);
     b = _ia_find_free(a, rsize);
     if (!b && grow && a->opts.growable) {
       st = _ia_grow(a, rsize);

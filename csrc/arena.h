@@ -504,6 +504,9 @@ void ia_plugin_segments(int device, ia_segment_fn fn, void *ctx);
  * calls. A failed allocation never returns: it raises through raise_oom. Streams are
  * cudaStream_t. graph_pool NULL: an eager allocation. A free finds its arena by address. */
 void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool);
+/* ia_torch_alloc of a block of at least reserve bytes (PyTorch's roundup_power2_divisions) whose
+ * requested bytes stay size. */
+void *ia_torch_alloc_rounded(size_t size, size_t reserve, int device, void *stream, const ia_pool_id_t *graph_pool);
 void ia_torch_free(void *ptr);
 void ia_torch_record_stream(void *ptr, void *stream);
 void ia_torch_empty_cache(void);
@@ -516,7 +519,7 @@ ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access);
 /* All of the above that the process-scope allocator calls, in one table: it is a separate library
  * built against the installed torch, and the core exports nothing it does not have to. */
 typedef struct ia_torch_entry_points {
-  void *(*alloc)(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool);
+  void *(*alloc)(size_t size, size_t reserve, int device, void *stream, const ia_pool_id_t *graph_pool);
   void (*free)(void *ptr);
   void (*record_stream)(void *ptr, void *stream);
   void (*empty_cache)(void);

@@ -191,6 +191,9 @@ void _ia_graph_flush_arenas(int device);
  * failed, served from a free block of a use_on_oom MemPool (NULL: none). */
 const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *pool, bool *no_split);
 void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind);
+/* ia_arena_alloc of a block of at least reserve bytes whose requested bytes stay size (PyTorch's
+ * roundup_power2_divisions rounds the request up before the allocator sees it). */
+ia_status_t _ia_arena_alloc_reserving(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, void **out);
 void _ia_graph_pools_flush_events(int device);
 void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
 /* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */

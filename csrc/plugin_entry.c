@@ -22,18 +22,24 @@ bool ia_workspace_exit(void) {
 }
 int ia_workspace_depth(void) { return workspace_depth; }
 
-static void *graph_alloc(_ia_device_slot_t *slot, int device, size_t size, ia_stream_t stream, ia_pool_id_t id) {
-  int kind = workspace_depth ? GRAPH_WORKSPACE : size <= IA_SMALL_REQUEST ? GRAPH_SMALL : GRAPH_LARGE;
+static void *graph_alloc(_ia_device_slot_t *slot, int device, size_t size, size_t reserve, ia_stream_t stream,
+                         ia_pool_id_t id) {
+  int kind = workspace_depth ? GRAPH_WORKSPACE : reserve <= IA_SMALL_REQUEST ? GRAPH_SMALL : GRAPH_LARGE;
   ia_status_t st = workspace_depth ? _ia_ensure_workspace(slot, device) : IA_OK;
   ia_arena_t *arena = st == IA_OK ? _ia_graph_arena(device, id, kind, stream, &st) : NULL;
   void *p = NULL;
-  if (arena) st = ia_arena_alloc(arena, size, stream, &p);
+  if (arena) st = _ia_arena_alloc_reserving(arena, size, reserve, stream, &p);
   if (st != IA_OK) _ia_fail_graph_alloc(device, id, kind, size, st);
   return p;
 }
 
 void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool) {
+  return ia_torch_alloc_rounded(size, size, device, stream, graph_pool);
+}
+
+void *ia_torch_alloc_rounded(size_t size, size_t reserve, int device, void *stream, const ia_pool_id_t *graph_pool) {
   if (size == 0) return NULL;
+  if (reserve < size) reserve = size;
   ia_status_t st;
   _ia_device_slot_t *slot = _ia_device_slot(device, &st);
   if (slot && _ia_plugin.config.scope != IA_SCOPE_PROCESS) {
@@ -41,17 +47,17 @@ void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *
              "process's allocator: its MemPools call ia_pool_alloc");
     st = IA_ERR_INVALID_ARGUMENT;
   }
-  if (st == IA_OK && graph_pool) return graph_alloc(slot, device, size, (ia_stream_t)stream, *graph_pool);
+  if (st == IA_OK && graph_pool) return graph_alloc(slot, device, size, reserve, (ia_stream_t)stream, *graph_pool);
   if (slot && workspace_depth) st = _ia_ensure_workspace(slot, device);
   if (st != IA_OK) _ia_fail_alloc(device, -1, size, st);
-  int pool = workspace_depth ? IA_POOL_WORKSPACE : size <= IA_SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
+  int pool = workspace_depth ? IA_POOL_WORKSPACE : reserve <= IA_SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
   void *p;
-  st = ia_arena_alloc(slot->arenas[pool], size, (ia_stream_t)stream, &p);
+  st = _ia_arena_alloc_reserving(slot->arenas[pool], size, reserve, (ia_stream_t)stream, &p);
   if (st != IA_OK && pool != IA_POOL_WORKSPACE) {
     /* The other general pool may be caching whole regions this request could use. */
     if (ia_arena_release_cached(slot->arenas[IA_POOL_SMALL + IA_POOL_LARGE - pool])) {
       atomic_fetch_add(&_ia_plugin.retries, 1);
-      st = ia_arena_alloc(slot->arenas[pool], size, (ia_stream_t)stream, &p);
+      st = _ia_arena_alloc_reserving(slot->arenas[pool], size, reserve, (ia_stream_t)stream, &p);
     }
     /* Last, as PyTorch: the free blocks of MemPools made with use_on_oom. */
     if (st != IA_OK && (p = _ia_graph_alloc_on_oom(device, size, (ia_stream_t)stream,
@@ -129,7 +135,7 @@ void ia_torch_empty_cache(void) {
 }
 
 static const ia_torch_entry_points_t entry_points = {
-    .alloc = ia_torch_alloc,
+    .alloc = ia_torch_alloc_rounded,
     .free = ia_torch_free,
     .record_stream = ia_torch_record_stream,
     .empty_cache = ia_torch_empty_cache,

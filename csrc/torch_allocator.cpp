@@ -25,6 +25,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/util/ApproximateClock.h>
 
 #include <algorithm>
@@ -140,6 +141,21 @@ void on_event(void*, const ia_trace_event_t* e) {
     default:  // a refusal: the out-of-memory entry is recorded where the error is raised
       break;
   }
+}
+
+// ---- PyTorch's roundup_power2_divisions (torch.cuda.memory._set_allocator_settings or
+// PYTORCH_CUDA_ALLOC_CONF): a request of more than 512 bytes times the divisions set for its size
+// takes a block rounded up to the next of that many equal steps between the powers of two around
+// it. Off (one division) by default; then the core's own 512-byte rounding stands.
+size_t rounded(size_t size) {
+  constexpr size_t min_block = 512;
+  size_t divisions = c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(size);
+  if (divisions <= 1 || size <= min_block * divisions || (size & (size - 1)) == 0) return size;
+  size_t floor = size_t{1} << (63 - __builtin_clzll(size));
+  size_t step = floor >> (63 - __builtin_clzll(divisions));  // divisions as a power of two, rounded down
+  if (step == 0) return floor << 1;
+  size_t base = size & ~(step - 1);
+  return base == size ? size : base + step;
 }
 
 // ---- snapshot (torch.cuda.memory._snapshot)
@@ -294,7 +310,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     OpScope scope(cda::RecordContext::STATE, route);
     void* ptr;
     try {
-      ptr = core->alloc(size, device, stream, in_pool ? &pool : nullptr);
+      ptr = core->alloc(size, rounded(size), device, stream, in_pool ? &pool : nullptr);
     } catch (const c10::OutOfMemoryError&) {
       out_of_memory(device, size, stream, route);
       throw;

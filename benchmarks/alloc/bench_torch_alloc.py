@@ -1,12 +1,18 @@
-"""torch.empty + del of mixed sizes (4 KiB to 16 MiB), steady state, under each allocator in a
-fresh process: the cost every tensor of a serving process pays.
+"""What every tensor of a serving process pays: ``torch.empty`` + ``del`` from Python, steady state,
+under PyTorch's allocator and under the process scope, each round in a fresh process, the
+allocators alternated (A B A B), and ``torch.cuda.memory_stats()`` timed the same way.
 
-    python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--repeats R] [--json FILE]
+Rows: one size at a time (4 KiB, 1 MiB, 16 MiB), mixed sizes (log-uniform 4 KiB-16 MiB), and a
+mixed working set (64 tensors kept live, one replaced at a time), each from 1 and from 4 Python
+threads; times per pair (per call for memory_stats), the median of each allocator's rounds.
+
+    python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--json FILE]
 """
 
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,45 +21,106 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from arena_tools import allocators  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
-ALLOCATORS = ("default", "expandable", "cuda-async", "arena")  # of arena_tools.allocators
+ALLOCATORS = ("default", "arena")  # of arena_tools.allocators
+THREADS = (1, 4)
+KiB, MiB = 1 << 10, 1 << 20
 
 
-def worker(name: str, iters: int, repeats: int) -> dict:
+def size_lists() -> dict[str, list[int]]:
+    rng = random.Random(0)
+    mixed = [int(4 * KiB * 2 ** rng.uniform(0, 12)) for _ in range(4096)]
+    return {"4 KiB": [4 * KiB], "1 MiB": [MiB], "16 MiB": [16 * MiB], "mixed": mixed}
+
+
+def pairs(torch, sizes: list[int], iters: int, live: int) -> float:
+    """Seconds for iters torch.empty + del of sizes in turn; with live > 0 a ring of that many
+    tensors stays alive and each new one replaces the oldest."""
+    n = len(sizes)
+    ring = [None] * live
+    start = time.perf_counter()
+    for i in range(iters):
+        t = torch.empty(sizes[i % n], dtype=torch.uint8, device="cuda")
+        if live:
+            ring[i % live] = t
+        del t
+    elapsed = time.perf_counter() - start
+    ring.clear()
+    return elapsed
+
+
+def threaded(work, threads: int) -> float:
+    """Wall seconds of work() run by threads Python threads started together."""
+    barrier = threading.Barrier(threads + 1)
+
+    def body():
+        barrier.wait()
+        work()
+
+    ts = [threading.Thread(target=body) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - start
+
+
+def worker(name: str, iters: int) -> dict:
     import torch
 
     allocators.install(name)
-    rng = random.Random(0)
-    sizes = [int(4096 * 2 ** rng.uniform(0, 12)) for _ in range(4096)]  # log-uniform 4 KiB..16 MiB
-    for s in sizes:  # steady state: every size class has been seen once
-        t = torch.empty(s, dtype=torch.uint8, device="cuda")
-        del t
-    torch.cuda.synchronize()
-    per_pair = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for i in range(iters):
-            t = torch.empty(sizes[i & 4095], dtype=torch.uint8, device="cuda")
-            del t
-        per_pair.append((time.perf_counter() - start) / iters * 1e6)
-    return {"allocator": name, "us_per_pair": statistics.median(per_pair), "runs": per_pair,
-            "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    rows = {}
+    for label, sizes in size_lists().items():
+        for live in ((0, 64) if label == "mixed" else (0,)):
+            row = f"{label}{', 64 live' if live else ''}"
+            for threads in THREADS:
+                pairs(torch, sizes * 2, len(sizes) * 2, live)  # steady state: every size seen
+                torch.cuda.synchronize()
+                per = iters // threads
+                seconds = threaded(lambda: pairs(torch, sizes, per, live), threads)
+                rows[f"{row}, {threads} thread{'s' if threads > 1 else ''}"] = seconds / (per * threads) * 1e6
+    keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in size_lists()["mixed"][:256]]
+    torch.cuda.memory_stats()
+    calls = max(200, iters // 200)
+    start = time.perf_counter()
+    for _ in range(calls):
+        torch.cuda.memory_stats()
+    rows["torch.cuda.memory_stats()"] = (time.perf_counter() - start) / calls * 1e6
+    del keep
+    return {"allocator": name, "us": rows, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
 
 
 def main() -> None:
-    parser = harness.parser(__doc__, workers=ALLOCATORS)
-    parser.add_argument("--iters", type=int, default=200_000)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = harness.parser(__doc__, workers=ALLOCATORS, rounds=2)
+    parser.add_argument("--iters", type=int, default=100_000, help="pairs per row (default 100,000)")
+    parser.add_argument("--allocators", default=",".join(ALLOCATORS))
     args = parser.parse_args()
-    if harness.child(args, lambda a: worker(a.worker, a.iters, a.repeats)):
+    if harness.child(args, lambda a: worker(a.worker, a.iters)):
         return
-    results = harness.each_allocator(ALLOCATORS, __file__, ["--iters", str(args.iters),
-                                                           "--repeats", str(args.repeats)])
-    base = next(r["us_per_pair"] for r in results if r["allocator"] == "default" and "error" not in r)
-    harness.table(f"torch.empty + del, mixed 4 KiB-16 MiB, median of {args.repeats} x {args.iters:,}",
-                  ("allocator", "us / pair", "vs default"),
-                  [(r["allocator"], "failed", r["error"][-80:]) if "error" in r else
-                   (r["allocator"], f"{r['us_per_pair']:.2f}", f"{r['us_per_pair'] / base:.2f}")
-                   for r in results])
+    names = [n.strip() for n in args.allocators.split(",") if n.strip()]
+    bad = [n for n in names if n not in ALLOCATORS]
+    if bad or not names:
+        parser.error(f"--allocators: unknown allocator {bad[0] if bad else '(none)'}; choose from "
+                     f"{', '.join(ALLOCATORS)}")
+    if args.iters < 100:
+        parser.error(f"--iters must be at least 100, got {args.iters}")
+    results = harness.each_allocator(names, __file__, ["--iters", str(args.iters)], rounds=args.rounds,
+                                     stop_on_error=True)
+    median = {n: {row: statistics.median(r["us"][row] for r in results if r["allocator"] == n)
+                  for row in results[0]["us"]} for n in names}
+    base = names[0]
+    harness.table(f"us per torch.empty + del (per call for memory_stats), median of {args.rounds} fresh "
+                  f"processes each, A B alternated, {args.iters:,} pairs a row",
+                  ("row", *names, *(f"{n} / {base}" for n in names[1:])),
+                  [(row, *(f"{median[n][row]:.3f}" for n in names),
+                    *(f"{median[n][row] / median[base][row]:.2f}" for n in names[1:]))
+                   for row in median[base]])
+    if "arena" in names and "default" in names:
+        slower = [row for row in median["default"] if median["arena"][row] > median["default"][row]]
+        harness.goal("the process scope at or below PyTorch's allocator's time in every row", not slower,
+                     "slower: " + "; ".join(f"{r} {median['arena'][r] / median['default'][r]:.2f}x" for r in slower)
+                     if slower else "every row")
     harness.write_json(args.json, results)
 
 

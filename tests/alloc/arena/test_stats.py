@@ -202,3 +202,41 @@ print("ok")
 def test_memory_stats_is_the_core_s_table_of_pytorch_s_keys(fresh_python):
     done = fresh_python(PLUGIN)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+ROUNDED = """
+import random
+from alloc import plugin
+from alloc._core import ffi, lib
+c = ffi.new("ia_plugin_config_t *")
+c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 64 << 20, 512, 0, 1, 0
+assert lib.ia_plugin_configure(c) == lib.IA_OK
+MiB = 1 << 20
+rng = random.Random(3)
+edges = [(1, 0), (1, 1), (512, 513), (MiB, MiB + 1), (MiB + 1, MiB), (3 * MiB, 4 * MiB), (84 * MiB, 96 * MiB)]
+cases = [(size, reserve, graph) for size, reserve in edges for graph in (False, True)] + [
+    (size, max(0, size + rng.randint(-4 * MiB, 8 * MiB)), rng.random() < 0.5)
+    for size in (int(2 ** rng.uniform(0, 24.5)) for _ in range(300))]
+for n, (size, reserve, graph) in enumerate(cases):
+    pool = ffi.new("ia_pool_id_t *", (n + 1, 0)) if graph else ffi.NULL
+    if graph:
+        assert lib.ia_graph_begin(0, pool[0]) == lib.IA_OK
+    before = plugin.memory_stats(0)
+    p = lib.ia_torch_alloc_rounded(size, reserve, 0, ffi.cast("void *", 0), pool)
+    after = plugin.memory_stats(0)
+    block = -(-max(size, reserve) // 512) * 512  # never less than the request, 512-byte steps
+    assert after["requested_bytes.all.allocated"] - before["requested_bytes.all.allocated"] == size
+    assert after["active_bytes.all.allocated"] - before["active_bytes.all.allocated"] == block, (size, reserve)
+    lib.ia_torch_free(p)
+    if graph:
+        assert lib.ia_graph_end(0, pool[0]) == lib.IA_OK
+        assert lib.ia_graph_release(0, pool[0]) == lib.IA_OK
+    assert plugin.memory_stats(0)["active_bytes.all.current"] == before["active_bytes.all.current"]
+print("ok")
+"""
+
+
+def test_a_rounded_request_takes_the_rounded_block_and_counts_its_own_bytes_as_requested(fresh_python):
+    # PyTorch's roundup_power2_divisions reaches the core as a reserve over the request
+    done = fresh_python(ROUNDED)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr

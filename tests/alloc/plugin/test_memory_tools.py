@@ -114,6 +114,45 @@ print(json.dumps(out))
 """)
 
 
+def test_nested_mempools_each_take_their_own_allocations():
+    both("""
+pools = [torch.cuda.MemPool() for _ in range(3)]
+data = []
+def take():
+    data.append(torch.empty(5 << 20, device="cuda"))
+with torch.cuda.use_mem_pool(pools[0]):
+    take()
+    with torch.cuda.use_mem_pool(pools[1]):
+        take()
+        with torch.cuda.use_mem_pool(pools[2]):
+            take()
+        take()
+    take()
+def held(pool):
+    return sorted(b["requested_size"] for s in torch.cuda.memory.memory_snapshot(pool.id) for b in s["blocks"]
+                  if b["state"] == "active_allocated")
+print(json.dumps({"held": [held(p) for p in pools]}))
+""")
+
+
+def test_roundup_power2_divisions_rounds_as_pytorch_and_requested_bytes_stay_the_request():
+    both("""
+def grows(nbytes, settings):
+    torch.cuda.memory._set_allocator_settings(settings)
+    before = torch.cuda.memory_stats()
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    after = torch.cuda.memory_stats()
+    return [after["active_bytes.all.allocated"] - before["active_bytes.all.allocated"],
+            after["requested_bytes.all.allocated"] - before["requested_bytes.all.allocated"]]
+out = {}
+for n in (84 << 20, 3000, 1 << 20, 400 << 20):
+    out[n] = [grows(n, ""), grows(n, "roundup_power2_divisions:4"),
+              grows(n, "roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]")]
+torch.cuda.memory._set_allocator_settings("roundup_power2_divisions:1")
+print(json.dumps(out))
+""")
+
+
 def test_out_of_memory_speaks_pytorchs_words_and_tells_its_observers():
     both("""
 seen = []
