@@ -478,6 +478,10 @@ ia_status_t ia_graph_set_allocator(int device, ia_pool_id_t id, const ia_pool_al
 /* MemPool.empty_cache(), and a MemPool's end: the pool's fully free regions go back (its own
  * allocator's, to it); nothing while a stream of the device captures. */
 void ia_graph_empty_cache(int device, ia_pool_id_t id);
+/* PyTorch's graph_capture_record_stream_reuse (off by default): a graph pool's block freed inside a
+ * capture while other streams were recorded on it is reused on its own stream as soon as the
+ * capture's graph orders their work before that stream's next work, not at the capture's end. */
+void ia_graph_set_record_stream_reuse(bool on);
 /* MemPool(no_split=True), set before the pool first allocates: its arenas split no block. */
 ia_status_t ia_graph_set_no_split(int device, ia_pool_id_t id);
 /* MemPool(use_on_oom=True): an eager request the general pools cannot serve takes a free block of
@@ -532,6 +536,7 @@ typedef struct ia_torch_entry_points {
   ia_status_t (*graph_set_allocator)(int device, ia_pool_id_t id, const ia_pool_allocator_t *allocator);
   ia_status_t (*graph_set_no_split)(int device, ia_pool_id_t id);
   ia_status_t (*graph_set_use_on_oom)(int device, ia_pool_id_t id, bool use_on_oom);
+  void (*graph_set_record_stream_reuse)(bool on);
   void (*graph_empty_cache)(int device, ia_pool_id_t id);
   ia_status_t (*graph_begin)(int device, ia_pool_id_t id);
   ia_status_t (*graph_end)(int device, ia_pool_id_t id);

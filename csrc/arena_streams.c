@@ -102,14 +102,33 @@ bool _ia_arena_stream_capturing(ia_arena_t *a, ia_stream_t stream) {
   return a->backend->stream_capturing && a->backend->stream_capturing(a->backend, stream);
 }
 
-bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, uint32_t *other_streams) {
+bool _ia_arena_live_block(ia_arena_t *a, const void *ptr, ia_stream_t *stream, ia_stream_t *uses, uint32_t cap,
+                          uint32_t *n_uses) {
   _ia_arena_lock(a);
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr);
   bool live = b != NULL;
   if (live) {
     *stream = b->stream;
-    *other_streams = b->n_uses;
+    *n_uses = b->n_uses;
+    for (uint32_t i = 0; i < b->n_uses && i < cap; i++) uses[i] = b->uses[i];
   }
   _ia_arena_unlock(a);
   return live;
+}
+
+void _ia_arena_forget_uses(ia_arena_t *a, const void *ptr) {
+  _ia_arena_lock(a);
+  block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr);
+  if (b) b->n_uses = 0;
+  _ia_arena_unlock(a);
+}
+
+size_t _ia_arena_capture_frontier(ia_arena_t *a, ia_stream_t stream, uint64_t *capture, const void **out,
+                                  size_t cap) {
+  *capture = 0;
+  return a->backend->capture_frontier ? a->backend->capture_frontier(a->backend, stream, capture, out, cap) : 0;
+}
+
+size_t _ia_arena_node_parents(ia_arena_t *a, const void *node, const void **out, size_t cap) {
+  return a->backend->node_parents ? a->backend->node_parents(a->backend, node, out, cap) : 0;
 }

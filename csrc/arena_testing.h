@@ -14,6 +14,13 @@
  * (see backend_host.c); a capturing stream's wait on an outside event counts as a host wait. */
 bool ia_host_capture_begin(ia_stream_t stream, uint64_t capture);
 void ia_host_capture_end(ia_stream_t stream);
+/* Work captured on a capturing stream: a node after the stream's frontier, which it becomes (NULL
+ * when the stream does not capture). */
+const void *ia_host_capture_launch(ia_stream_t stream);
+/* The waiter's next work follows the waited stream's frontier too (an event recorded on `waited`,
+ * waited for on `waiter`); a waiter outside any capture joins the waited stream's. False when
+ * `waited` does not capture or `waiter` captures another capture. */
+bool ia_host_capture_wait(ia_stream_t waiter, ia_stream_t waited);
 uint64_t ia_host_capture_violations(void);
 uint64_t ia_host_capture_host_waits(void);
 

@@ -39,12 +39,28 @@ enum {
   X(cudaEventSynchronize, int, (void *))                                                          \
   X(cudaStreamIsCapturing, int, (void *, int *))                                                  \
   X(cudaThreadExchangeStreamCaptureMode, int, (int *))                                            \
+  X(cudaRuntimeGetVersion, int, (int *))                                                          \
   X(cudaGetErrorString, const char *, (int))
+
+/* cudaGraphEdgeData: an edge orders the whole of its upstream node before the whole of its
+ * downstream node only when ports and type are all 0 (a programmatic launch's edge does not). */
+typedef struct {
+  unsigned char from_port, to_port, type, reserved[5];
+} edge_data_t;
+
+static bool full_edge(const edge_data_t *e) { return !e || (!e->from_port && !e->to_port && !e->type); }
 
 static struct {
 #define DECLARE(name, ret, args) ret(*name) args;
   CUDART_FUNCTIONS(DECLARE)
 #undef DECLARE
+  /* The capture graph's queries changed shape in CUDA 13 (edge data added); one pair is set. */
+  int (*capture_info_12)(void *stream, int *status, unsigned long long *id, void **graph, const void *const **deps,
+                         size_t *n);
+  int (*capture_info_13)(void *stream, int *status, unsigned long long *id, void **graph, const void *const **deps,
+                         const edge_data_t **edges, size_t *n);
+  int (*dependencies_12)(const void *node, const void **deps, size_t *n);
+  int (*dependencies_13)(const void *node, const void **deps, edge_data_t *edges, size_t *n);
   void *handle;
 } rt;
 
@@ -84,6 +100,15 @@ ia_status_t ia_cuda_load(const char *cudart_path) {
   }
       CUDART_FUNCTIONS(RESOLVE)
 #undef RESOLVE
+      /* Optional: without them a block other streams used waits for its capture's end. */
+      int version = 0;
+      if (st == IA_OK && rt.cudaRuntimeGetVersion(&version) == CUDA_SUCCESS && version >= 13000) {
+        *(void **)&rt.capture_info_13 = dlsym(h, "cudaStreamGetCaptureInfo");
+        *(void **)&rt.dependencies_13 = dlsym(h, "cudaGraphNodeGetDependencies");
+      } else if (st == IA_OK) {
+        *(void **)&rt.capture_info_12 = dlsym(h, "cudaStreamGetCaptureInfo_v2");
+        *(void **)&rt.dependencies_12 = dlsym(h, "cudaGraphNodeGetDependencies");
+      }
       if (st == IA_OK) rt.handle = h;
       else dlclose(h);
     }
@@ -224,6 +249,58 @@ static ia_status_t cuda_stream_wait(ia_backend_t *self, ia_stream_t stream, void
   return err == CUDA_SUCCESS ? IA_OK : fail(err, "cudaStreamWaitEvent");
 }
 
+enum { CUDA_CAPTURE_STATUS_ACTIVE = 1 };
+
+/* Keeps the nodes whose edge orders them wholly before what follows (edges NULL: all of them).
+ * Leaving one out only ever delays a reuse. */
+static size_t full_nodes(const void *const *nodes, const edge_data_t *edges, size_t n, const void **out, size_t cap) {
+  size_t kept = 0;
+  for (size_t i = 0; i < n; i++)
+    if (full_edge(edges ? &edges[i] : NULL)) {
+      if (kept < cap) out[kept] = nodes[i];
+      kept++;
+    }
+  return kept;
+}
+
+static size_t cuda_capture_frontier(ia_backend_t *self, ia_stream_t stream, uint64_t *capture, const void **out,
+                                    size_t cap) {
+  (void)self;
+  int status = CUDA_CAPTURE_STATUS_NONE;
+  unsigned long long id = 0;
+  void *graph = NULL;
+  const void *const *deps = NULL;
+  const edge_data_t *edges = NULL; /* asked for, else edges with data fail the call */
+  size_t n = 0;
+  int err = rt.capture_info_13 ? rt.capture_info_13((void *)stream, &status, &id, &graph, &deps, &edges, &n)
+                               : rt.capture_info_12((void *)stream, &status, &id, &graph, &deps, &n);
+  if (err != CUDA_SUCCESS) rt.cudaGetLastError();
+  *capture = err == CUDA_SUCCESS && status == CUDA_CAPTURE_STATUS_ACTIVE ? id : 0;
+  return *capture ? full_nodes(deps, edges, n, out, cap) : 0;
+}
+
+/* A node whose parents cannot be read has none here: fewer ancestors only ever delay a reuse. */
+static size_t cuda_node_parents(ia_backend_t *self, const void *node, const void **out, size_t cap) {
+  (void)self;
+  size_t n = 0;
+  int err = rt.dependencies_13 ? rt.dependencies_13(node, NULL, NULL, &n) : rt.dependencies_12(node, NULL, &n);
+  if (err != CUDA_SUCCESS || !n) {
+    if (err != CUDA_SUCCESS) rt.cudaGetLastError();
+    return 0;
+  }
+  const void **nodes = malloc(n * sizeof *nodes);
+  edge_data_t *edges = rt.dependencies_13 ? malloc(n * sizeof *edges) : NULL;
+  if (nodes && (edges || !rt.dependencies_13))
+    err = rt.dependencies_13 ? rt.dependencies_13(node, nodes, edges, &n) : rt.dependencies_12(node, nodes, &n);
+  else
+    err = -1;
+  if (err > 0) rt.cudaGetLastError();
+  size_t kept = err == CUDA_SUCCESS ? full_nodes(nodes, edges, n, out, cap) : 0;
+  free(nodes);
+  free(edges);
+  return kept;
+}
+
 static void cuda_destroy(ia_backend_t *self) { free(self); }
 
 ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backend_t **out) {
@@ -246,6 +323,9 @@ ia_status_t ia_cuda_backend_create(int device, const char *cudart_path, ia_backe
       .stream_capturing = cuda_stream_capturing,
       .event_wait = cuda_event_wait,
   };
+  bool graphs = (rt.capture_info_13 && rt.dependencies_13) || (rt.capture_info_12 && rt.dependencies_12);
+  c->base.capture_frontier = graphs ? cuda_capture_frontier : NULL;
+  c->base.node_parents = graphs ? cuda_node_parents : NULL;
   c->device = device;
   *out = &c->base;
   return IA_OK;

@@ -46,13 +46,7 @@ ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int de
       .natural_alignment = 256, /* what cudaMalloc promises; reserve_aligned pads when short */
       .reserve = pool_reserve,
       .release = pool_release,
-      .event_create = pool_event_create,
-      .event_destroy = pool_event_destroy,
-      .event_record = pool_event_record,
-      .event_done = pool_event_done,
-      .stream_wait = pool_stream_wait,
-      .stream_capturing = events->stream_capturing ? pool_stream_capturing : NULL,
-      .event_wait = events->event_wait ? pool_event_wait : NULL,
+      IA_FORWARDED_EVENTS(pool, events),
       .destroy = pool_destroy,
   };
   p->allocator = *allocator;

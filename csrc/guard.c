@@ -266,14 +266,8 @@ ia_status_t ia_guard_backend_create(ia_backend_t *inner, const ia_guard_options_
       .natural_alignment = inner->natural_alignment,
       .reserve = guard_reserve,
       .release = guard_release,
-      .event_create = guard_event_create,
-      .event_destroy = guard_event_destroy,
-      .event_record = guard_event_record,
-      .event_done = guard_event_done,
-      .stream_wait = guard_stream_wait,
-      .stream_capturing = inner->stream_capturing ? guard_stream_capturing : NULL,
+      IA_FORWARDED_EVENTS(guard, inner),
       .destroy = guard_destroy,
-      .event_wait = inner->event_wait ? guard_event_wait : NULL,
   };
   if (inner->page_size) {
     g->base.page_size = inner->page_size;

@@ -47,6 +47,14 @@ struct ia_backend {
    * waits this way before it unmaps pages whose last stream work may still run; without it those
    * pages stay mapped until a later release finds the work done. */
   ia_status_t (*event_wait)(ia_backend_t *self, void *event);
+  /* Optional, both or none: the graph a capture has built so far, for reusing inside a capture a
+   * block other streams used once the graph orders them before the reuse. capture_frontier gives
+   * the capture `stream` belongs to (0: none) and copies up to cap of the nodes its next work will
+   * depend on into out, returning how many there are; node_parents likewise gives the nodes
+   * `node` depends on. Nodes are the backend's handles, valid while their capture lasts. */
+  size_t (*capture_frontier)(ia_backend_t *self, ia_stream_t stream, uint64_t *capture, const void **out,
+                             size_t cap);
+  size_t (*node_parents)(ia_backend_t *self, const void *node, const void **out, size_t cap);
   /* Optional, all or none: address space alone, and physical pages mapped into it (CUDA's
    * virtual memory management, or the host backend's simulation of it). page_size is the
    * granularity of map and unmap, a power of two (0: the backend does not map). A range from
@@ -64,9 +72,10 @@ struct ia_backend {
   ia_status_t (*grant_access)(ia_backend_t *self, int peer);
 };
 
-/* A backend that wraps another hands it every event and stream operation: defines
- * prefix_event_create ... prefix_stream_capturing and prefix_event_wait, each calling the same
- * operation of inner(self) (the optional ones are set only where the inner backend has them). */
+/* A backend that wraps another hands it every event, stream and capture operation: defines
+ * prefix_event_create ... prefix_node_parents, each calling the same operation of inner(self), and
+ * IA_FORWARDED_EVENTS(prefix, inner) fills them into a table (the optional ones only where the
+ * inner backend has them). */
 #define IA_FORWARD_EVENTS(prefix, inner)                                                               \
   static ia_status_t prefix##_event_create(ia_backend_t *self, void **ev) {                           \
     return inner(self)->event_create(inner(self), ev);                                                 \
@@ -84,7 +93,22 @@ struct ia_backend {
   }                                                                                                    \
   static ia_status_t prefix##_event_wait(ia_backend_t *self, void *ev) {                              \
     return inner(self)->event_wait(inner(self), ev);                                                   \
+  }                                                                                                    \
+  static size_t prefix##_capture_frontier(ia_backend_t *self, ia_stream_t s, uint64_t *capture,       \
+                                          const void **out, size_t cap) {                              \
+    return inner(self)->capture_frontier(inner(self), s, capture, out, cap);                           \
+  }                                                                                                    \
+  static size_t prefix##_node_parents(ia_backend_t *self, const void *node, const void **out, size_t cap) { \
+    return inner(self)->node_parents(inner(self), node, out, cap);                                     \
   }
+#define IA_FORWARDED_EVENTS(prefix, inner_backend)                                                     \
+  .event_create = prefix##_event_create, .event_destroy = prefix##_event_destroy,                     \
+  .event_record = prefix##_event_record, .event_done = prefix##_event_done,                           \
+  .stream_wait = prefix##_stream_wait,                                                                 \
+  .stream_capturing = (inner_backend)->stream_capturing ? prefix##_stream_capturing : NULL,           \
+  .event_wait = (inner_backend)->event_wait ? prefix##_event_wait : NULL,                             \
+  .capture_frontier = (inner_backend)->capture_frontier ? prefix##_capture_frontier : NULL,           \
+  .node_parents = (inner_backend)->capture_frontier ? prefix##_node_parents : NULL
 
 /* backend_cuda.c for backend_vmm.c: driver calls for a device run between enter and exit, with
  * the device current and this thread in relaxed capture mode, as the runtime backend's own calls
@@ -150,8 +174,17 @@ void _ia_totals_reset_peaks(ia_totals_t *totals);
 typedef void (*_ia_region_hook_t)(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size, bool added);
 /* Calls the hook at once for the regions already held. */
 void _ia_arena_set_region_hook(ia_arena_t *arena, _ia_region_hook_t hook, void *ctx);
-/* A live block's stream and how many other streams were recorded on it; false when not live. */
-bool _ia_arena_live_block(ia_arena_t *arena, const void *ptr, ia_stream_t *stream, uint32_t *other_streams);
+/* A live block's stream and the other streams recorded on it (*n_uses of them, the first cap copied
+ * to uses); false when not live. */
+bool _ia_arena_live_block(ia_arena_t *arena, const void *ptr, ia_stream_t *stream, ia_stream_t *uses, uint32_t cap,
+                          uint32_t *n_uses);
+/* Forgets the other streams recorded on a live block, so that its free orders nothing after them:
+ * for a block whose capture's graph already orders their work before its next use. */
+void _ia_arena_forget_uses(ia_arena_t *arena, const void *ptr);
+/* The backend's capture_frontier and node_parents (capture 0 and no nodes without them). */
+size_t _ia_arena_capture_frontier(ia_arena_t *arena, ia_stream_t stream, uint64_t *capture, const void **out,
+                                  size_t cap);
+size_t _ia_arena_node_parents(ia_arena_t *arena, const void *node, const void **out, size_t cap);
 
 /* Who an arena serves: the device, and the CUDA graph pool when it is one of a pool's arenas. */
 typedef struct graph_pool graph_pool_t;
@@ -183,6 +216,9 @@ ia_status_t _ia_arena_grant_access(ia_arena_t *arena, int peer);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
 /* Every free while a pool allocates: keeps its graph pool (graphs.c); true when held for later. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
+/* Before a graph pool's allocation on `stream` with record_stream_reuse on: frees the held blocks of
+ * that stream whose last uses the capture's graph now orders before the stream's next work. */
+void _ia_graph_reclaim(int device, ia_stream_t stream);
 /* Frees a live block of `arena` on its own stream, saying on stderr when that is refused; a released
  * graph pool then gives back what came free. */
 void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);

@@ -26,6 +26,7 @@ static void *graph_alloc(_ia_device_slot_t *slot, int device, size_t size, size_
                          ia_pool_id_t id) {
   int kind = workspace_depth ? GRAPH_WORKSPACE : reserve <= IA_SMALL_REQUEST ? GRAPH_SMALL : GRAPH_LARGE;
   ia_status_t st = workspace_depth ? _ia_ensure_workspace(slot, device) : IA_OK;
+  _ia_graph_reclaim(device, stream);
   ia_arena_t *arena = st == IA_OK ? _ia_graph_arena(device, id, kind, stream, &st) : NULL;
   void *p = NULL;
   if (arena) st = _ia_arena_alloc_reserving(arena, size, reserve, stream, &p);
@@ -148,6 +149,7 @@ static const ia_torch_entry_points_t entry_points = {
     .graph_set_allocator = ia_graph_set_allocator,
     .graph_set_no_split = ia_graph_set_no_split,
     .graph_set_use_on_oom = ia_graph_set_use_on_oom,
+    .graph_set_record_stream_reuse = ia_graph_set_record_stream_reuse,
     .graph_empty_cache = ia_graph_empty_cache,
     .graph_begin = ia_graph_begin,
     .graph_end = ia_graph_end,

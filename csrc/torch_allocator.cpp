@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -156,6 +157,15 @@ size_t rounded(size_t size) {
   if (step == 0) return floor << 1;
   size_t base = size & ~(step - 1);
   return base == size ? size : base + step;
+}
+
+// ---- PyTorch's graph_capture_record_stream_reuse, handed to the core as it changes. Read where a
+// capture can begin or allocate, so a free inside a capture sees the value the capture began with
+// or one its allocations saw.
+void sync_record_stream_reuse() {
+  static std::atomic<int> known{-1};
+  int on = cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse() ? 1 : 0;
+  if (known.exchange(on, std::memory_order_relaxed) != on) core->graph_set_record_stream_reuse(on);
 }
 
 // ---- snapshot (torch.cuda.memory._snapshot)
@@ -306,6 +316,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
         }
     }
     bool in_pool = route.first || route.second;
+    if (in_pool) sync_record_stream_reuse();
     ia_pool_id_t pool = to_id(route);
     OpScope scope(cda::RecordContext::STATE, route);
     void* ptr;
@@ -369,6 +380,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     for (auto& r : routes_)
       TORCH_CHECK(!(r.device == device && r.id == id), "indexer-arena: already allocating to CUDA graph pool (",
                   id.first, ", ", id.second, ")");
+    sync_record_stream_reuse();
     check(core->graph_begin(device, to_id(id)), "beginning allocation", id);
     routes_.push_back({device, id, std::move(filter)});
     routing_.fetch_add(1, std::memory_order_release);

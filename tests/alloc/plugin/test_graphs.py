@@ -131,6 +131,56 @@ print(json.dumps({{"numbers": numbers}}))
 """)
 
 
+@pytest.mark.parametrize("streams", [2, 4])
+def test_record_stream_reuse_reuses_a_block_inside_the_capture_once_its_streams_are_joined(streams):
+    # PyTorch's graph_capture_record_stream_reuse: the block the side streams read is not reused
+    # before they are joined back, is reused after, and the replays still match eager execution.
+    both(f"""
+torch.cuda.memory._set_allocator_settings("graph_capture_record_stream_reuse:True")
+g = torch.Generator(device="cuda").manual_seed(4)
+x = torch.randn(1024, 256, device="cuda", generator=g)
+w = torch.randn(256, 256, device="cuda", generator=g)
+side = [torch.cuda.Stream() for _ in range({streams} - 1)]
+def step(x):
+    main = torch.cuda.current_stream()
+    shared = torch.tanh(x @ w)             # read on the side streams, freed before they join
+    freed = shared.data_ptr()
+    parts = []
+    for s in side:
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            shared.record_stream(s)
+            parts.append((shared * (len(parts) + 2)).cumsum(0))
+    del shared
+    early = torch.empty_like(x)            # the side streams still read the freed block
+    early.copy_(x * 3)
+    for s in side:
+        main.wait_stream(s)
+    late = torch.empty_like(x)             # joined: the freed block may come back
+    torch.matmul(x, w, out=late)
+    late.sigmoid_()
+    return torch.stack(parts).sum(0) + early + late, [early.data_ptr() == freed, late.data_ptr() == freed]
+torch.cuda.synchronize()
+s0 = torch.cuda.Stream()
+s0.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s0):
+    step(x)
+torch.cuda.current_stream().wait_stream(s0)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    y, reused = step(x)
+numbers = [reused]
+for _ in range(3):
+    x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, step(x)[0])
+    numbers.append(y.double().sum().item())
+assert reused == [False, True], reused
+print(json.dumps({{"numbers": numbers}}))
+""")
+
+
 def test_a_deleted_graph_gives_its_memory_back_and_not_before():
     both("""
 import gc
