@@ -7,8 +7,10 @@
  * them concurrently: the last frees into a released pool race to give it back. One output of each
  * released graph is instead rebound inside the next capture (written, then freed there), and that
  * graph writes it again at every simulated replay until it is released: the block must stay
- * mapped and never be handed out meanwhile (PyTorch's test_graph_capture_reset_recapture). At the
- * end nothing is live, no pool is left and no capture rule was broken.
+ * mapped and never be handed out meanwhile (PyTorch's test_graph_capture_reset_recapture). Every
+ * third capture forks a side stream that is recorded on a block freed inside the capture and
+ * joins it back before the next allocation, which takes the block back (record_stream reuse). At
+ * the end nothing is live, no pool is left and no capture rule was broken.
  *
  * usage: graphs_stress EAGER_THREADS OPS_PER_THREAD GRAPHS   (prints "ok" or fails) */
 #include <pthread.h>
@@ -104,12 +106,14 @@ static void *eager(void *arg) {
 static void *grapher(void *arg) {
   (void)arg;
   unsigned seed = 7;
-  ia_stream_t stream = 999;
+  ia_stream_t stream = 999, side = 998;
   void *carried = NULL; /* an output of the last graph, released with it */
   size_t carried_size = 0;
   for (long g = 0; g < graphs; g++) {
     ia_pool_id_t id = {.first = (uint64_t)g + 1, .second = 0};
     if (ia_graph_begin(0, id) != IA_OK || !ia_host_capture_begin(stream, (uint64_t)g + 1)) abort();
+    bool fork = g % 3 == 0;
+    if (fork && (!ia_host_capture_wait(side, stream) || !ia_host_capture_launch(side))) abort();
     void *rebound = carried;
     size_t rebound_size = carried_size;
     if (rebound) check_and_free(rebound, rebound_size); /* used by this capture, then rebound */
@@ -122,8 +126,19 @@ static void *grapher(void *arg) {
       out[i] = ia_torch_alloc(sizes[i], 0, (void *)stream, &id);
       if (i == 7) ia_workspace_exit();
       fill(out[i], sizes[i]);
-      if (i % 3 == 0) check_and_free(out[i], sizes[i]), out[i] = NULL; /* freed inside the capture */
+      if (fork && i == 4) { /* read on the side stream, freed before it joins back */
+        ia_torch_record_stream(out[i], (void *)side);
+        check_and_free(out[i], sizes[i]), out[i] = NULL;
+      }
+      if (fork && i == 5) { /* joined: the next allocation takes that block back */
+        if (!ia_host_capture_wait(stream, side) || !ia_host_capture_launch(stream)) abort();
+        void *again = ia_torch_alloc(sizes[4], 0, (void *)stream, &id);
+        fill(again, sizes[4]);
+        check_and_free(again, sizes[4]);
+      }
+      if (i % 3 == 0 && out[i]) check_and_free(out[i], sizes[i]), out[i] = NULL; /* freed inside the capture */
     }
+    if (fork) ia_host_capture_end(side);
     ia_host_capture_end(stream);
     if (ia_graph_end(0, id) != IA_OK) abort();
     if (rebound) fill(rebound, rebound_size); /* a replay writes what the graph rebound */
@@ -149,6 +164,7 @@ int main(int argc, char **argv) {
   graphs = atol(argv[3]);
   ia_plugin_config_t c = {.budget = 64 << 20, .alignment = 256, .unified = 0, .host_memory = 1};
   if (ia_plugin_configure(&c) != IA_OK) return 1;
+  ia_graph_set_record_stream_reuse(true);
   pthread_t t[64];
   for (int i = 0; i < threads && i < 63; i++) pthread_create(&t[i], NULL, eager, (void *)(uintptr_t)(i + 1));
   pthread_create(&t[63], NULL, grapher, NULL);
