@@ -3,8 +3,8 @@
  * (allocations of any size on a few streams, frees of live, freed, interior and foreign pointers,
  * record_stream, release_cached, allocation at an address, stream completion), and the plugin's
  * graph pools on host memory (begin, a simulated capture, allocations in the pool and eagerly,
- * frees held back and run, release, checkpoint and restore), its general pools mapped for even
- * seeds. The mapping arenas write a canary byte at both ends of every block, so a block on an
+ * frees held back and run, release, checkpoint and restore, a side stream forked and joined in
+ * the capture's graph with record_stream reuse on), its general pools mapped for even seeds. The mapping arenas write a canary byte at both ends of every block, so a block on an
  * unmapped page faults, and check it at the free; their backends must have refused no call and
  * hold exactly the arena's capacity, and with nothing live a release must unmap every page. The
  * invariant walk runs every 64 operations; any broken invariant, sanitizer report or wrong status
@@ -190,7 +190,7 @@ static void plugin_step(long op) {
   static int capturing;
   uint64_t violations = ia_host_capture_violations(); /* the standalone arenas may add their own */
   static ia_pool_id_t id;
-  static ia_stream_t stream = 77;
+  static ia_stream_t stream = 77, side = 78; /* side: forked from stream inside captures */
   static uint64_t capture_id;
   switch (below(8)) {
     case 0:
@@ -203,6 +203,7 @@ static void plugin_step(long op) {
       break;
     case 1:
       if (capturing) {
+        ia_host_capture_end(side);
         ia_host_capture_end(stream);
         if (ia_graph_end(0, id) != IA_OK) fail("end", op);
         if (below(2) && ia_graph_release(0, id) != IA_OK) fail("release", op);
@@ -228,7 +229,7 @@ static void plugin_step(long op) {
     case 4: case 5:
       if (plugin_n) {
         int i = (int)below((size_t)plugin_n);
-        if (below(4) == 0) ia_torch_record_stream(plugin_live[i], (void *)below(3));
+        if (below(4) == 0) ia_torch_record_stream(plugin_live[i], (void *)(capturing && below(2) ? side : below(3)));
         if (capturing && plugin_in_graph[i] && touched_n < LIVE)
           touched[touched_n++] = (typeof(touched[0])){id, plugin_live[i]};
         ia_torch_free(plugin_live[i]);
@@ -241,7 +242,14 @@ static void plugin_step(long op) {
       ia_torch_empty_cache();
       break;
     default:
-      if (!capturing) { /* a checkpoint of a pool, its live blocks freed, then restored */
+      if (capturing) { /* the capture's graph: work on either stream, a fork, a join */
+        switch (below(4)) {
+          case 0: ia_host_capture_launch(stream); break;
+          case 1: ia_host_capture_launch(side); break;
+          case 2: ia_host_capture_wait(side, stream); break;
+          default: ia_host_capture_wait(stream, side);
+        }
+      } else { /* a checkpoint of a pool, its live blocks freed, then restored */
         ia_pool_id_t pid = {.first = 1 + below(3), .second = 0};
         size_t n = ia_graph_blocks(0, pid, NULL, 0);
         ia_block_info_t *saved = calloc(n + 1, sizeof *saved);
@@ -308,6 +316,7 @@ int main(int argc, char **argv) {
                           .expandable = rng_state % 2 == 0, .address_range = (size_t)1 << 30,
                           .host_page_size = 64 << 10};
   if (ia_plugin_configure(&c) != IA_OK) return 1;
+  ia_graph_set_record_stream_reuse(true);
   for (long op = 0; op < ops; op++) {
     int which = (int)below(6);
     if (which < 3) arena_step(&subjects[which], op);
