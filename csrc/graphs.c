@@ -10,20 +10,13 @@
  * regions go back at once (or when the device's captures end), and the rest as their last blocks
  * are freed.
  *
- * While any stream of the device captures, frees that would make an eager arena record an event
- * on a capturing stream (a block of a capturing stream) or that must order other streams
- * (record_stream) are held back, and run when the last capture ends. With PyTorch's
- * graph_capture_record_stream_reuse, a graph pool's block freed while every stream that used it
- * captures one capture is freed sooner, inside the capture: the nodes those streams had captured
- * when it was freed (its markers) are its last uses, and once all of them are ancestors of what
- * its own stream captures next (the capture's graph joined the streams), an allocation on that
- * stream may reuse it with no event, the graph's edges ordering the reuse after the uses.
+ * While any stream of the device captures, some frees are held back (graph_frees.c).
  *
  * Workspaces inside a capture are carved from the device's workspace arena by a per-stream arena
  * of the pool whose regions are blocks of it: the graph keeps them for its lifetime and reuses them
  * for its later workspaces, and they go back to the workspace arena with the pool.
  *
- * Locking: one mutex per device guards its pools and held frees; arenas are called outside it
+ * Locking: one mutex per device guards its pools; arenas are called outside it
  * except when a pool is created or destroyed.
  */
 #include <pthread.h>
@@ -59,39 +52,9 @@ struct graph_pool {
   graph_pool_t *next;
 };
 
-typedef struct {
-  ia_arena_t *arena;
-  const _ia_owner_t *owner;
-  void *ptr;
-  ia_stream_t stream;   /* the block's own: only an allocation on it may reuse the block early */
-  uint64_t capture;     /* whose graph the markers are in; 0: the free waits for the captures' end */
-  const void **markers; /* malloc'd */
-  size_t n_markers;
-} held_free_t;
-
-/* A set of graph nodes: open addressing, a power-of-two table at most half full. */
-typedef struct {
-  const void **slots;
-  size_t cap, n;
-} node_set_t;
-
-/* The nodes found to precede a capturing stream's next work so far. They only grow while the
- * capture lasts (a stream's new work follows its earlier work), so each walk stops at nodes seen. */
-typedef struct {
-  uint64_t capture;
-  ia_stream_t stream;
-  node_set_t ancestors;
-} reach_t;
-
-static _Atomic bool record_stream_reuse;
-
 static struct device_graphs {
   pthread_mutex_t lock;
   graph_pool_t *pools;
-  held_free_t *held;
-  size_t n_held, cap_held;
-  reach_t *reach; /* until the device's captures end */
-  size_t n_reach, cap_reach;
 } graphs[IA_MAX_DEVICES];
 
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
@@ -200,6 +163,13 @@ static void keep_for_allocating_pools(struct device_graphs *g, graph_pool_t *own
   }
 }
 
+void _ia_graph_keep(int device, graph_pool_t *owner) {
+  struct device_graphs *g = graphs_of(device);
+  pthread_mutex_lock(&g->lock);
+  keep_for_allocating_pools(g, owner);
+  pthread_mutex_unlock(&g->lock);
+}
+
 static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int use_delta, bool create) {
   struct device_graphs *g = graphs_of(device);
   if (!g || !_ia_plugin_totals(device)) return IA_ERR_INVALID_ARGUMENT;
@@ -228,31 +198,13 @@ ia_status_t ia_graph_begin(int device, ia_pool_id_t id) {
   return st;
 }
 
-static void forget_reach(struct device_graphs *g) {
-  for (size_t i = 0; i < g->n_reach; i++) free(g->reach[i].ancestors.slots);
-  free(g->reach);
-  g->reach = NULL;
-  g->n_reach = g->cap_reach = 0;
-}
-
 ia_status_t ia_graph_end(int device, ia_pool_id_t id) {
   ia_status_t st = pool_call(device, id, -1, 0, false);
   if (st != IA_OK) return st;
   ia_totals_t *t = _ia_plugin_totals(device);
   if (atomic_fetch_sub(&t->captures, 1) != 1) return IA_OK;
   /* The last capture of the device ended: the held frees run, released pools give back. */
-  struct device_graphs *g = graphs_of(device);
-  for (;;) {
-    pthread_mutex_lock(&g->lock);
-    held_free_t h = {0};
-    bool any = g->n_held > 0 && atomic_load(&t->captures) == 0;
-    if (any) h = g->held[--g->n_held];
-    if (!any && atomic_load(&t->captures) == 0) forget_reach(g);
-    pthread_mutex_unlock(&g->lock);
-    if (!any) break;
-    free(h.markers);
-    _ia_free_owned(h.arena, h.owner, h.ptr);
-  }
+  _ia_graph_run_held(device);
   _ia_graph_flush_arenas(device);
   return IA_OK;
 }
@@ -371,191 +323,6 @@ ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t s
   }
   pthread_mutex_unlock(&g->lock);
   return *st == IA_OK ? arena : NULL;
-}
-
-void ia_graph_set_record_stream_reuse(bool on) { atomic_store(&record_stream_reuse, on); }
-
-static size_t slot_of(const void *node, size_t cap) {
-  return (size_t)(((uintptr_t)node * 0x9E3779B97F4A7C15ull) >> 17) & (cap - 1);
-}
-
-static bool set_has(const node_set_t *s, const void *node) {
-  if (!s->cap) return false;
-  for (size_t i = slot_of(node, s->cap);; i = (i + 1) & (s->cap - 1)) {
-    if (s->slots[i] == node) return true;
-    if (!s->slots[i]) return false;
-  }
-}
-
-/* 1: added, 0: already there, -1: out of host memory. */
-static int set_add(node_set_t *s, const void *node) {
-  if (set_has(s, node)) return 0;
-  if (2 * (s->n + 1) > s->cap) {
-    node_set_t grown = {calloc(s->cap ? 2 * s->cap : 64, sizeof(void *)), s->cap ? 2 * s->cap : 64, 0};
-    if (!grown.slots) return -1;
-    for (size_t i = 0; i < s->cap; i++)
-      if (s->slots[i]) set_add(&grown, s->slots[i]);
-    free(s->slots);
-    *s = grown;
-  }
-  size_t i = slot_of(node, s->cap);
-  while (s->slots[i]) i = (i + 1) & (s->cap - 1);
-  s->slots[i] = node;
-  s->n++;
-  return 1;
-}
-
-/* Nodes a backend query answered. */
-typedef struct {
-  const void **items;
-  size_t n, cap;
-} nodes_t;
-
-/* Appends the nodes of `stream`'s frontier (node NULL; *capture gets its capture) or of `node`'s
- * parents; false when host memory ran out (or the answer grew between two asks). */
-static bool append_nodes(nodes_t *list, ia_arena_t *arena, ia_stream_t stream, const void *node, uint64_t *capture) {
-  size_t want = 16;
-  for (int ask = 0; ask < 2; ask++) {
-    if (list->cap - list->n < want) {
-      size_t cap = list->n + (want > list->cap ? want : list->cap);
-      const void **grown = realloc(list->items, cap * sizeof *grown);
-      if (!grown) return false;
-      list->items = grown;
-      list->cap = cap;
-    }
-    size_t room = list->cap - list->n;
-    const void **out = list->items + list->n;
-    size_t got = node ? _ia_arena_node_parents(arena, node, out, room)
-                      : _ia_arena_capture_frontier(arena, stream, capture, out, room);
-    if (got <= room) {
-      list->n += got;
-      return true;
-    }
-    want = got;
-  }
-  return false;
-}
-
-/* A held block's markers: the frontiers of its own stream and of every stream recorded on it, all
- * capturing one capture. Otherwise (or out of host memory) it keeps capture 0. */
-static void mark(held_free_t *h, const ia_stream_t *uses, uint32_t n_uses) {
-  nodes_t markers = {0};
-  uint64_t capture = 0;
-  bool ok = true;
-  for (uint32_t i = 0; i <= n_uses && ok; i++) {
-    uint64_t c = 0;
-    ok = append_nodes(&markers, h->arena, i ? uses[i - 1] : h->stream, NULL, &c) && c && (!capture || c == capture);
-    capture = c;
-  }
-  if (!ok || !markers.n) {
-    free(markers.items);
-    return;
-  }
-  h->capture = capture;
-  h->markers = markers.items;
-  h->n_markers = markers.n;
-}
-
-bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr) {
-  enum { MAX_USES = 16 }; /* a block recorded on more streams waits for the captures' end */
-  ia_stream_t stream, uses[MAX_USES];
-  uint32_t others;
-  if (!_ia_arena_live_block(arena, ptr, &stream, uses, MAX_USES, &others)) return false; /* the free reports it */
-  struct device_graphs *g = graphs_of(device);
-  if (owner->graph_pool) {
-    pthread_mutex_lock(&g->lock);
-    keep_for_allocating_pools(g, owner->graph_pool);
-    pthread_mutex_unlock(&g->lock);
-  }
-  /* A pool's arena serves its own stream only, so a block freed on it needs no event; an eager
-   * arena's block of a capturing stream would. Other streams recorded on a block always do. */
-  if (!others && (owner->graph_pool || !_ia_arena_stream_capturing(arena, stream))) return false;
-  held_free_t h = {arena, owner, ptr, stream};
-  /* Only a pool's block may come back inside the capture: an eager arena would hand it to any
-   * stream, which the capture's graph does not order. */
-  if (owner->graph_pool && others <= MAX_USES && atomic_load(&record_stream_reuse)) mark(&h, uses, others);
-  pthread_mutex_lock(&g->lock);
-  bool held = atomic_load(&_ia_plugin_totals(device)->captures) > 0;
-  if (held && g->n_held == g->cap_held) {
-    size_t cap = g->cap_held ? g->cap_held * 2 : 64;
-    held_free_t *grown = realloc(g->held, cap * sizeof *grown);
-    if (grown) {
-      g->held = grown;
-      g->cap_held = cap;
-    }
-  }
-  held = held && g->n_held < g->cap_held; /* without room, freeing now is the lesser harm */
-  if (held) g->held[g->n_held++] = h;
-  pthread_mutex_unlock(&g->lock);
-  if (!held) free(h.markers);
-  return held;
-}
-
-/* The ancestors of `stream`'s frontier in its capture (*capture), grown from what earlier walks
- * found; NULL when the stream captures nothing or host memory ran out. Under the device's lock. */
-static const node_set_t *ancestors(struct device_graphs *g, ia_arena_t *arena, ia_stream_t stream, uint64_t *capture) {
-  nodes_t todo = {0};
-  *capture = 0;
-  bool ok = append_nodes(&todo, arena, stream, NULL, capture) && *capture;
-  reach_t *r = NULL;
-  for (size_t i = 0; ok && i < g->n_reach && !r; i++)
-    if (g->reach[i].capture == *capture && g->reach[i].stream == stream) r = &g->reach[i];
-  if (ok && !r && g->n_reach == g->cap_reach) {
-    size_t cap = g->cap_reach ? 2 * g->cap_reach : 4;
-    reach_t *grown = realloc(g->reach, cap * sizeof *grown);
-    if (grown) {
-      g->reach = grown;
-      g->cap_reach = cap;
-    }
-  }
-  if (ok && !r && g->n_reach < g->cap_reach) {
-    r = &g->reach[g->n_reach++];
-    *r = (reach_t){.capture = *capture, .stream = stream};
-  }
-  ok = ok && r;
-  while (ok && todo.n > 0) {
-    const void *node = todo.items[--todo.n];
-    int added = set_add(&r->ancestors, node);
-    ok = added >= 0 && (added == 0 || append_nodes(&todo, arena, stream, node, NULL));
-  }
-  free(todo.items);
-  if (r && !ok) { /* a walk cut short leaves ancestors unseen behind nodes marked seen: start over */
-    free(r->ancestors.slots);
-    r->ancestors = (node_set_t){0};
-  }
-  return ok ? &r->ancestors : NULL;
-}
-
-void _ia_graph_reclaim(int device, ia_stream_t stream) {
-  struct device_graphs *g = graphs_of(device);
-  if (!g || !atomic_load(&record_stream_reuse)) return;
-  held_free_t *ready = NULL;
-  size_t n_ready = 0;
-  pthread_mutex_lock(&g->lock);
-  ia_arena_t *arena = NULL;
-  for (size_t i = 0; i < g->n_held && !arena; i++)
-    if (g->held[i].capture && g->held[i].stream == stream) arena = g->held[i].arena;
-  uint64_t capture = 0;
-  const node_set_t *seen = arena ? ancestors(g, arena, stream, &capture) : NULL;
-  if (seen) ready = malloc(g->n_held * sizeof *ready);
-  for (size_t i = 0; ready && i < g->n_held;) {
-    held_free_t *h = &g->held[i];
-    bool reusable = h->capture == capture && h->stream == stream;
-    for (size_t m = 0; reusable && m < h->n_markers; m++) reusable = set_has(seen, h->markers[m]);
-    if (reusable) {
-      ready[n_ready++] = *h;
-      *h = g->held[--g->n_held];
-    } else {
-      i++;
-    }
-  }
-  pthread_mutex_unlock(&g->lock);
-  for (size_t i = 0; i < n_ready; i++) {
-    _ia_arena_forget_uses(ready[i].arena, ready[i].ptr);
-    free(ready[i].markers);
-    _ia_free_owned(ready[i].arena, ready[i].owner, ready[i].ptr);
-  }
-  free(ready);
 }
 
 void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr) {

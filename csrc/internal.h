@@ -219,6 +219,10 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
 /* Before a graph pool's allocation on `stream` with record_stream_reuse on: frees the held blocks of
  * that stream whose last uses the capture's graph now orders before the stream's next work. */
 void _ia_graph_reclaim(int device, ia_stream_t stream);
+/* graph_frees.c, once the device's last capture ended: every held free runs. */
+void _ia_graph_run_held(int device);
+/* graphs.c: each pool allocating now keeps `owner` while it lives (a block of owner was freed). */
+void _ia_graph_keep(int device, graph_pool_t *owner);
 /* Frees a live block of `arena` on its own stream, saying on stderr when that is refused; a released
  * graph pool then gives back what came free. */
 void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);

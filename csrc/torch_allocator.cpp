@@ -159,9 +159,8 @@ size_t rounded(size_t size) {
   return base == size ? size : base + step;
 }
 
-// ---- PyTorch's graph_capture_record_stream_reuse, handed to the core as it changes. Read where a
-// capture can begin or allocate, so a free inside a capture sees the value the capture began with
-// or one its allocations saw.
+// ---- PyTorch's graph_capture_record_stream_reuse, handed to the core as it changes, read where a
+// capture begins or allocates: a free inside a capture sees what the capture began with or since.
 void sync_record_stream_reuse() {
   static std::atomic<int> known{-1};
   int on = cca::CUDAAllocatorConfig::graph_capture_record_stream_reuse() ? 1 : 0;
@@ -349,26 +348,21 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     core->device_stats(device, &s);
     c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(size), s.in_use.current, s.capacity.current,
                                      c10::Device(c10::DeviceType::CUDA, device));
-    std::vector<cca::OutOfMemoryObserver> observers;
-    {
+    auto observers = [this] {
       std::lock_guard<std::mutex> lock(routes_mutex_);
-      observers = oom_observers_;
-    }
+      return oom_observers_;
+    }();
     double fraction = core->get_memory_fraction(device);
     size_t allowed = fraction < 1.0 ? static_cast<size_t>(fraction * static_cast<double>(device_total)) : device_total;
     for (const auto& observer : observers) observer(device, size, allowed, device_free);
   }
 
   c10::DataPtr allocate(size_t size) override {
-    c10::DeviceIndex device = c10::cuda::current_device();
-    void* ptr = alloc_on(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
-    return {ptr, ptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
+    void* ptr = raw_alloc(size);
+    return {ptr, ptr, &delete_block, c10::Device(c10::DeviceType::CUDA, c10::cuda::current_device())};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
-  void* raw_alloc(size_t size) override {
-    c10::DeviceIndex device = c10::cuda::current_device();
-    return alloc_on(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
-  }
+  void* raw_alloc(size_t size) override { return raw_alloc_with_stream(size, c10::cuda::getCurrentCUDAStream()); }
   void* raw_alloc_with_stream(size_t size, cudaStream_t stream) override {
     return alloc_on(size, c10::cuda::current_device(), stream);
   }
@@ -511,9 +505,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
   }
 
   void pushCompileContext(std::string& md) override { compile_contexts.push_back(md); }
-  void popCompileContext() override {
-    if (!compile_contexts.empty()) compile_contexts.pop_back();
-  }
+  void popCompileContext() override { if (!compile_contexts.empty()) compile_contexts.pop_back(); }
 
   // torch.cuda.empty_cache() (pool {0, 0}), MemPool.empty_cache() and a MemPool's end (its id).
   void emptyCache(MempoolId_t mempool_id) override {
@@ -549,12 +541,8 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     core->torch_stats(device, &s);
     c10::CachingDeviceAllocator::DeviceStats out;
     auto copy = [](auto& stats, const ia_stat_t* from) {
-      for (int kind = 0; kind < IA_KIND_COUNT; kind++) {
-        stats[kind].current = from[kind].current;
-        stats[kind].peak = from[kind].peak;
-        stats[kind].allocated = from[kind].allocated;
-        stats[kind].freed = from[kind].freed;
-      }
+      for (int kind = 0; kind < IA_KIND_COUNT; kind++)
+        stats[kind] = {from[kind].current, from[kind].peak, from[kind].allocated, from[kind].freed};
     };
 #define IA_COPY(name, torch, doc) copy(out.torch, s.torch);
     IA_STAT_QUADS(IA_COPY)
@@ -567,7 +555,6 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
   }
 
   void resetPeakStats(c10::DeviceIndex device) override { core->reset_peaks(device); }
-
   void resetAccumulatedStats(c10::DeviceIndex device) override { core->reset_accumulated(device); }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest) override {
