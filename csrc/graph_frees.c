@@ -50,15 +50,9 @@ static struct held_frees {
   size_t n_held, cap_held;
   reach_t *reach; /* until the device's captures end */
   size_t n_reach, cap_reach;
-} frees[IA_MAX_DEVICES];
-
-static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-static void init_locks(void) {
-  for (int d = 0; d < IA_MAX_DEVICES; d++) pthread_mutex_init(&frees[d].lock, NULL);
-}
+} frees[IA_MAX_DEVICES] = {[0 ... IA_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
 
 static struct held_frees *held_of(int device) {
-  pthread_once(&init_once, init_locks);
   return device >= 0 && device < IA_MAX_DEVICES ? &frees[device] : NULL;
 }
 
