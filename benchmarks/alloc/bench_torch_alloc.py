@@ -3,8 +3,9 @@ under PyTorch's allocator and under the process scope, each round in a fresh pro
 allocators alternated (A B A B), and ``torch.cuda.memory_stats()`` timed the same way.
 
 Rows: one size at a time (4 KiB, 1 MiB, 16 MiB), mixed sizes (log-uniform 4 KiB-16 MiB), and a
-mixed working set (64 tensors kept live, one replaced at a time), each from 1 and from 4 Python
-threads; times per pair (per call for memory_stats), the median of each allocator's rounds.
+mixed working set (64 tensors kept live, one replaced at a time), each from the main thread and
+from 4 Python threads at once; times per pair (per call for memory_stats), the median of each
+allocator's rounds.
 
     python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--json FILE]
 """
@@ -49,7 +50,12 @@ def pairs(torch, sizes: list[int], iters: int, live: int) -> float:
 
 
 def threaded(work, threads: int) -> float:
-    """Wall seconds of work() run by threads Python threads started together."""
+    """Wall seconds of work() run by threads Python threads started together (one: this thread,
+    as a worker's own allocations run)."""
+    if threads == 1:
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
     barrier = threading.Barrier(threads + 1)
 
     def body():
