@@ -214,7 +214,7 @@ bool _ia_arena_stream_capturing(ia_arena_t *arena, ia_stream_t stream);
 /* A mapping arena's pages become reachable from device `peer` (IA_OK and nothing else otherwise). */
 ia_status_t _ia_arena_grant_access(ia_arena_t *arena, int peer);
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
-/* Every free while a pool allocates: keeps its graph pool (graphs.c); true when held for later. */
+/* Every free while a pool allocates (graph_frees.c): keeps its graph pool; true when held for later. */
 bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
 /* Before a graph pool's allocation on `stream` with record_stream_reuse on: frees the held blocks of
  * that stream whose last uses the capture's graph now orders before the stream's next work. */
