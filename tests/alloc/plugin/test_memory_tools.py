@@ -61,6 +61,29 @@ print(json.dumps(out))
 """)
 
 
+def test_history_turned_off_and_on_again_traces_the_tensors_freed_before_the_snapshot():
+    # PyTorch's test_memory_plots: each round empties the cache, turns history on with other
+    # options, frees its tensors before the snapshot (so only trace entries carry their sizes),
+    # and turns history off again.
+    both("""
+out = []
+for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
+    torch.cuda.memory.empty_cache()
+    torch.cuda.memory._record_memory_history("all", context=context, stacks=stacks)
+    def run():
+        x = torch.rand(128, 128, device="cuda")
+        x * x + x * x
+    run()
+    ss = torch.cuda.memory._snapshot()
+    trace = ss["device_traces"][0]
+    out.append({"alloc_sizes": sorted({e["size"] for e in trace if e["action"] == "alloc"}),
+                "freed": sum(e["action"] == "free_completed" for e in trace),
+                "frames": "run" in str([e.get("frames") for e in trace])})
+    torch.cuda.memory._record_memory_history(None)
+print(json.dumps(out))
+""")
+
+
 def test_memory_fraction_reads_back_and_bounds_what_the_process_may_hold():
     both("""
 total = torch.cuda.get_device_properties(0).total_memory
