@@ -233,8 +233,7 @@ static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_st
 static ia_status_t alloc(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, bool grow, void **out);
 
 ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
-  *out = NULL;
-  return size == 0 ? IA_OK : alloc(a, size, size, stream, true, out);
+  return _ia_arena_alloc_reserving(a, size, size, stream, out);
 }
 
 ia_status_t _ia_arena_alloc_reserving(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, void **out) {

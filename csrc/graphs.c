@@ -55,15 +55,9 @@ struct graph_pool {
 static struct device_graphs {
   pthread_mutex_t lock;
   graph_pool_t *pools;
-} graphs[IA_MAX_DEVICES];
-
-static pthread_once_t init_once = PTHREAD_ONCE_INIT;
-static void init_locks(void) {
-  for (int d = 0; d < IA_MAX_DEVICES; d++) pthread_mutex_init(&graphs[d].lock, NULL);
-}
+} graphs[IA_MAX_DEVICES] = {[0 ... IA_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
 
 static struct device_graphs *graphs_of(int device) {
-  pthread_once(&init_once, init_locks);
   return device >= 0 && device < IA_MAX_DEVICES ? &graphs[device] : NULL;
 }
 
