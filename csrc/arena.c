@@ -213,6 +213,7 @@ static void hand_out(ia_arena_t *a, block_t *b, size_t rsize, size_t size, ia_st
     tail->region = b->region;
     tail->stream = b->stream;
     tail->free_seq = b->free_seq;
+    tail->requested = b->requested;
     tail->is_free = true;
     tail->phys_prev = b;
     tail->phys_next = b->phys_next;
@@ -331,12 +332,12 @@ void _ia_make_free(ia_arena_t *a, block_t *b, ia_stream_t stream) {
   if (prev && prev->is_free) split_change(a, prev, -1, &n, &bytes);
   if (next && next->is_free) split_change(a, next, -1, &n, &bytes);
   b->is_free = true;
-  b->requested = 0;
   b->stream = stream;
   b->free_seq = ++a->free_seq;
   if (prev && prev->is_free) {
     ia_assert(_ia_order_after(a, stream, prev->stream, prev->free_seq) == IA_OK);
     _ia_bin_remove(a, prev);
+    prev->requested = b->requested; /* the freed block's, as PyTorch's merge keeps the freed block */
     _ia_merge_into(a, prev, b);
     prev->stream = stream;
     prev->free_seq = a->free_seq;

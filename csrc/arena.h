@@ -246,7 +246,7 @@ typedef struct ia_arena_options {
 typedef struct ia_block_info {
   uintptr_t address;
   uint64_t size;
-  uint64_t requested; /* 0 for free blocks */
+  uint64_t requested; /* a free block: of the last allocation freed into it, as PyTorch's snapshot */
   uintptr_t region_base;
   uint32_t region;    /* index of the region in ia_arena_regions order (oldest first) */
   bool is_free;

@@ -1,7 +1,9 @@
 """Random operation sequences against a model of the arena: the set of live intervals.
 
 Because freed blocks merge at once, the arena's free blocks must be exactly the maximal gaps
-between live blocks, and an allocation must succeed exactly when one gap can hold it.
+between live blocks, and an allocation must succeed exactly when one gap can hold it. The free
+block a free makes carries the requested bytes of the allocation it took back, as the free blocks
+of PyTorch's snapshot do.
 """
 
 import hypothesis.strategies as st
@@ -34,6 +36,7 @@ class ArenaMachine(RuleBasedStateMachine):
         self.base = self.arena.regions()[0].base
         self.live: dict[int, int] = {}
         self.streams = {}
+        self.requested: dict[int, int] = {}
         self.freed: list[int] = []
 
     def teardown(self):
@@ -55,6 +58,7 @@ class ArenaMachine(RuleBasedStateMachine):
             assert p + rounded <= start or start + length <= p, "overlaps a live block"
         self.live[p] = rounded
         self.streams[p] = stream
+        self.requested[p] = size
         return p
 
     @rule(p=consumes(blocks), stream=st.integers(0, 3))
@@ -64,6 +68,8 @@ class ArenaMachine(RuleBasedStateMachine):
         self.arena.free(p, stream)
         del self.live[p]
         self.freed.append(p)
+        (covering,) = [b for b in self.arena.blocks() if b.address <= p < b.address + b.size]
+        assert covering.state == "free" and covering.requested == self.requested.pop(p)
 
     @precondition(lambda self: self.freed)
     @rule(data=st.data())
@@ -91,8 +97,9 @@ class ArenaMachine(RuleBasedStateMachine):
         # Freed blocks merge at once: the free blocks are the gaps.
         assert s["free_blocks"] == len(g)
         assert s["largest_free"] == max(g, default=0)
-        used = [(b.address, b.size) for b in self.arena.blocks() if b.state == "used"]
-        assert dict(used) == self.live
+        used = [(b.address, b.size, b.requested) for b in self.arena.blocks() if b.state == "used"]
+        assert {a: size for a, size, _ in used} == self.live
+        assert {a: requested for a, _, requested in used} == self.requested
 
 
 TestArenaMachine = ArenaMachine.TestCase

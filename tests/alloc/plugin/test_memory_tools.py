@@ -63,9 +63,12 @@ print(json.dumps(out))
 
 def test_history_turned_off_and_on_again_traces_the_tensors_freed_before_the_snapshot():
     # PyTorch's test_memory_plots: each round empties the cache, turns history on with other
-    # options, frees its tensors before the snapshot (so only trace entries carry their sizes),
-    # and turns history off again.
+    # options, frees its tensors before the snapshot, and turns history off again. Its
+    # trace_plot(filter_freed=True) drops the freed pairs from the snapshot it is given, so the
+    # size it then looks for is left only in the free block's requested_size: PyTorch's free
+    # block keeps that of the last allocation freed into it.
     both("""
+from torch.cuda._memory_viz import trace_plot
 out = []
 for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
     torch.cuda.memory.empty_cache()
@@ -79,6 +82,11 @@ for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
     out.append({"alloc_sizes": sorted({e["size"] for e in trace if e["action"] == "alloc"}),
                 "freed": sum(e["action"] == "free_completed" for e in trace),
                 "frames": "run" in str([e.get("frames") for e in trace])})
+    trace_plot(ss, filter_freed=True)
+    out[-1]["left_after_the_filter"] = [(e["action"], e["size"]) for e in ss["device_traces"][0]
+                                        if e["action"] not in ("segment_map", "segment_alloc")]
+    out[-1]["free_blocks_requested"] = sorted(b["requested_size"] for s in ss["segments"] if not s["is_large"]
+                                              for b in s["blocks"] if b["state"] == "inactive")
     torch.cuda.memory._record_memory_history(None)
 print(json.dumps(out))
 """)
