@@ -4,8 +4,9 @@ allocators alternated (A B A B), and ``torch.cuda.memory_stats()`` timed the sam
 
 Rows: one size at a time (4 KiB, 1 MiB, 16 MiB), mixed sizes (log-uniform 4 KiB-16 MiB), and a
 mixed working set (64 tensors kept live, one replaced at a time), each from the main thread and
-from 4 Python threads at once; times per pair (per call for memory_stats), the fastest of five
-blocks in each process, then the median of each allocator's rounds.
+from 4 Python threads at once, with 256 tensors of mixed sizes live throughout (what
+memory_stats walks); times per pair (per call for memory_stats), the fastest of five blocks in
+each process (the rows' blocks taken in turn), then the median of each allocator's rounds.
 
     python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--json FILE]
 """
@@ -24,8 +25,9 @@ from benchmarks import harness  # noqa: E402
 
 ALLOCATORS = ("default", "arena")  # of arena_tools.allocators
 THREADS = (1, 4)
-# Each row's pairs are timed in this many blocks and the fastest kept: on a shared host the same
-# row moved 2x between fresh processes (other work on its cores), which the fastest block sheds.
+# Each row's pairs are timed in this many blocks and the fastest kept, the rows' blocks taken in
+# turn over the whole process: a slow spell of a shared host then costs a block of a few rows,
+# which the fastest block sheds, rather than every block of one row.
 BLOCKS = 5
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -86,22 +88,27 @@ def worker(name: str, iters: int) -> dict:
     import torch
 
     allocators.install(name)
-    rows = {}
+    runs = {}  # row -> (work, threads, pairs a block); memory_stats' "pairs" are calls
     for label, sizes in size_lists().items():
         for live in ((0, 64) if label == "mixed" else (0,)):
             row = f"{label}{', 64 live' if live else ''}"
             for threads in THREADS:
-                pairs(torch, sizes * 2, len(sizes) * 2, live)  # steady state: every size seen
-                torch.cuda.synchronize()
                 per = iters // (threads * BLOCKS)
-                seconds = min(threaded(lambda: pairs(torch, sizes, per, live), threads) for _ in range(BLOCKS))
-                rows[f"{row}, {threads} thread{'s' if threads > 1 else ''}"] = seconds / (per * threads) * 1e6
+                work = (lambda sizes=sizes, per=per, live=live: pairs(torch, sizes, per, live))
+                runs[f"{row}, {threads} thread{'s' if threads > 1 else ''}"] = (work, threads, per * threads)
+                pairs(torch, sizes * 2, len(sizes) * 2, live)  # steady state: every size seen
     keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in size_lists()["mixed"][:256]]
-    torch.cuda.memory_stats()
     calls = max(200, iters // 200) // BLOCKS
-    rows["torch.cuda.memory_stats()"] = min(timed(torch.cuda.memory_stats, calls) for _ in range(BLOCKS)) / calls * 1e6
+    runs["torch.cuda.memory_stats()"] = (lambda: timed(torch.cuda.memory_stats, calls), 1, calls)
+    torch.cuda.memory_stats()
+    torch.cuda.synchronize()
+    best = {row: float("inf") for row in runs}
+    for _ in range(BLOCKS):
+        for row, (work, threads, n) in runs.items():
+            best[row] = min(best[row], threaded(work, threads) / n)
     del keep
-    return {"allocator": name, "us": rows, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    return {"allocator": name, "us": {row: t * 1e6 for row, t in best.items()}, "torch": torch.__version__,
+            "device": torch.cuda.get_device_name()}
 
 
 def main() -> None:

@@ -85,8 +85,8 @@ for context, stacks in (("all", "all"), ("all", "python"), (None, "python")):
     trace_plot(ss, filter_freed=True)
     out[-1]["left_after_the_filter"] = [(e["action"], e["size"]) for e in ss["device_traces"][0]
                                         if e["action"] not in ("segment_map", "segment_alloc")]
-    out[-1]["free_blocks_requested"] = sorted(b["requested_size"] for s in ss["segments"] if not s["is_large"]
-                                              for b in s["blocks"] if b["state"] == "inactive")
+    out[-1]["a_free_block_keeps_the_size"] = any(b["requested_size"] == 128 * 128 * 4 for s in ss["segments"]
+                                                 for b in s["blocks"] if b["state"] == "inactive")
     torch.cuda.memory._record_memory_history(None)
 print(json.dumps(out))
 """)
