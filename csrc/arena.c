@@ -370,7 +370,7 @@ ia_status_t ia_arena_free(ia_arena_t *a, void *ptr, ia_stream_t stream) {
   for (uint32_t i = 0; i < b->n_uses; i++)
     ia_assert(_ia_order_after(a, stream, b->uses[i], UINT64_MAX) == IA_OK);
   b->n_uses = 0;
-  _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->size, stream);
+  _ia_arena_trace(a, IA_TRACE_FREE, b->addr, b->requested, stream);
   _ia_table_remove(&a->table, b);
   _ia_count_live(a, -1, (int64_t)b->size, (int64_t)b->requested);
   _ia_make_free(a, b, stream);

@@ -311,7 +311,7 @@ typedef struct ia_trace_event {
   uint64_t time_ns; /* CLOCK_REALTIME */
   uint64_t thread;  /* kernel thread id */
   uintptr_t address;
-  uint64_t size;    /* bytes asked for (alloc, fail), block size (free), region size */
+  uint64_t size;    /* bytes asked for (alloc, fail; free: those of the allocation, as PyTorch), region size */
   ia_stream_t stream;
   int32_t device;
   uint8_t action;   /* ia_trace_action_t */
