@@ -6,11 +6,14 @@ Rows: one size at a time (4 KiB, 1 MiB, 16 MiB), mixed sizes (log-uniform 4 KiB-
 mixed working set (64 tensors kept live, one replaced at a time), each from the main thread and
 from 4 Python threads at once, with 256 tensors of mixed sizes live throughout (what
 memory_stats walks); times per pair (per call for memory_stats), the fastest of five blocks in
-each process (the rows' blocks taken in turn), then the median of each allocator's rounds.
+each process (the rows' blocks taken in turn), then the median of each allocator's rounds. Every
+process runs on the same CPUs (``--cpus``), so that where the host places a process does not
+decide its row.
 
-    python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--json FILE]
+    python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--cpus LIST] [--json FILE]
 """
 
+import os
 import random
 import statistics
 import sys
@@ -84,7 +87,29 @@ def threaded(work, threads: int) -> float:
     return time.perf_counter() - start
 
 
-def worker(name: str, iters: int) -> dict:
+def cpu_list(text: str) -> set[int]:
+    """'12-15' or '3,5,7-9' as a set of CPU numbers; ValueError with the reason otherwise."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ValueError(f"{part.strip()!r} is not a CPU number or range")
+        if last and int(last) < int(first):
+            raise ValueError(f"{part.strip()!r} runs backwards")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def default_cpus() -> str:
+    """The last 4 CPUs this process may run on where it may run on 8 or more (the first ones take
+    the host's interrupts and daemons more often), else 'none': too few to set any apart."""
+    mine = sorted(os.sched_getaffinity(0))
+    return ",".join(map(str, mine[-4:])) if len(mine) >= 8 else "none"
+
+
+def worker(name: str, iters: int, cpus: str) -> dict:
+    if cpus != "none":
+        os.sched_setaffinity(0, cpu_list(cpus))  # before torch starts its threads, which inherit it
     import torch
 
     allocators.install(name)
@@ -108,16 +133,27 @@ def worker(name: str, iters: int) -> dict:
             best[row] = min(best[row], threaded(work, threads) / n)
     del keep
     return {"allocator": name, "us": {row: t * 1e6 for row, t in best.items()}, "torch": torch.__version__,
-            "device": torch.cuda.get_device_name()}
+            "device": torch.cuda.get_device_name(), "cpus": cpus}
 
 
 def main() -> None:
     parser = harness.parser(__doc__, workers=ALLOCATORS, rounds=2)
     parser.add_argument("--iters", type=int, default=100_000, help="pairs per row (default 100,000)")
     parser.add_argument("--allocators", default=",".join(ALLOCATORS))
+    parser.add_argument("--cpus", help="run every process on these CPUs, e.g. 12-15 or 3,5 ('none': where the "
+                                       "host places it; default: the last 4 of 8 or more, else none)")
     args = parser.parse_args()
-    if harness.child(args, lambda a: worker(a.worker, a.iters)):
+    if harness.child(args, lambda a: worker(a.worker, a.iters, a.cpus)):
         return
+    cpus = default_cpus() if args.cpus is None else args.cpus.strip()
+    if cpus != "none":
+        try:
+            outside = sorted(cpu_list(cpus) - os.sched_getaffinity(0))
+        except ValueError as e:
+            parser.error(f"--cpus: {e}; give CPU numbers and ranges such as 12-15 or 3,5, or none")
+        if outside:
+            parser.error(f"--cpus: CPU {outside[0]} is not one this process may run on "
+                         f"(it may run on {len(os.sched_getaffinity(0))}); choose among those, or none")
     names = [n.strip() for n in args.allocators.split(",") if n.strip()]
     bad = [n for n in names if n not in ALLOCATORS]
     if bad or not names:
@@ -125,13 +161,13 @@ def main() -> None:
                      f"{', '.join(ALLOCATORS)}")
     if args.iters < 100:
         parser.error(f"--iters must be at least 100, got {args.iters}")
-    results = harness.each_allocator(names, __file__, ["--iters", str(args.iters)], rounds=args.rounds,
-                                     stop_on_error=True)
+    results = harness.each_allocator(names, __file__, ["--iters", str(args.iters), "--cpus", cpus],
+                                     rounds=args.rounds, stop_on_error=True)
     median = {n: {row: statistics.median(r["us"][row] for r in results if r["allocator"] == n)
                   for row in results[0]["us"]} for n in names}
     base = names[0]
     harness.table(f"us per torch.empty + del (per call for memory_stats), fastest of {BLOCKS} blocks, median "
-                  f"of {args.rounds} fresh processes each, A B alternated, {args.iters:,} pairs a row",
+                  f"of {args.rounds} fresh processes each, A B alternated, {args.iters:,} pairs a row, CPUs {cpus}",
                   ("row", *names, *(f"{n} / {base}" for n in names[1:])),
                   [(row, *(f"{median[n][row]:.3f}" for n in names),
                     *(f"{median[n][row] / median[base][row]:.2f}" for n in names[1:]))

@@ -192,3 +192,19 @@ def test_bench_arena_reports_the_core_beside_glibc_as_ratios_and_judges_its_goal
                                                for name, bound in bench_arena.GOALS.items()]
     assert "goal: 1 thread: an alloc+free pair in the arena costs at most 1.5x glibc's in the same run" in proc.stdout
     assert " ns" not in proc.stdout  # ratios only
+
+
+@pytest.mark.parametrize("cpus, says", [("x", "'x' is not a CPU number or range"), ("3-1", "'3-1' runs backwards"),
+                                        ("", "'' is not a CPU number or range"),
+                                        ("100000", "CPU 100000 is not one this process may run on")])
+def test_bench_torch_alloc_refuses_bad_cpus_in_one_line_before_any_run(cpus, says):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/alloc/bench_torch_alloc.py"), "--cpus", cpus],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "run: round" not in proc.stderr
+    assert says in proc.stderr.strip().splitlines()[-1]
+
+
+def test_bench_torch_alloc_reads_cpu_lists_as_the_kernel_writes_them():
+    from benchmarks.alloc import bench_torch_alloc
+    assert bench_torch_alloc.cpu_list("12-15") == {12, 13, 14, 15}
+    assert bench_torch_alloc.cpu_list("3, 5,7-8") == {3, 5, 7, 8}
