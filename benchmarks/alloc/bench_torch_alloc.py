@@ -136,6 +136,16 @@ def worker(name: str, iters: int, cpus: str) -> dict:
             "device": torch.cuda.get_device_name(), "cpus": cpus}
 
 
+def paired(results: list[dict], base: str, name: str) -> dict[str, tuple[float, int]]:
+    """Each row's median, over the rounds, of name's time over base's in the same round, and the
+    number of rounds where name was the faster: A B alternated in fresh processes, each round's two
+    ran side by side in time, so a host's slow hour weighs on both of a pair."""
+    a = [r for r in results if r["allocator"] == base]
+    b = [r for r in results if r["allocator"] == name]
+    return {row: (statistics.median(y["us"][row] / x["us"][row] for x, y in zip(a, b)),
+                  sum(y["us"][row] < x["us"][row] for x, y in zip(a, b))) for row in a[0]["us"]}
+
+
 def main() -> None:
     parser = harness.parser(__doc__, workers=ALLOCATORS, rounds=2)
     parser.add_argument("--iters", type=int, default=100_000, help="pairs per row (default 100,000)")
@@ -166,11 +176,15 @@ def main() -> None:
     median = {n: {row: statistics.median(r["us"][row] for r in results if r["allocator"] == n)
                   for row in results[0]["us"]} for n in names}
     base = names[0]
+    pairs_of = {n: paired(results, base, n) for n in names[1:]}
     harness.table(f"us per torch.empty + del (per call for memory_stats), fastest of {BLOCKS} blocks, median "
-                  f"of {args.rounds} fresh processes each, A B alternated, {args.iters:,} pairs a row, CPUs {cpus}",
-                  ("row", *names, *(f"{n} / {base}" for n in names[1:])),
+                  f"of {args.rounds} fresh processes each, A B alternated, {args.iters:,} pairs a row, CPUs {cpus}; "
+                  f"paired: the median over the rounds of each process over {base}'s of the same round, and in "
+                  f"how many rounds it was faster",
+                  ("row", *names, *(f"{n} / {base}" for n in names[1:]), *(f"{n} paired" for n in names[1:])),
                   [(row, *(f"{median[n][row]:.3f}" for n in names),
-                    *(f"{median[n][row] / median[base][row]:.2f}" for n in names[1:]))
+                    *(f"{median[n][row] / median[base][row]:.2f}" for n in names[1:]),
+                    *(f"{pairs_of[n][row][0]:.2f}, {pairs_of[n][row][1]} of {args.rounds}" for n in names[1:]))
                    for row in median[base]])
     if "arena" in names and "default" in names:
         slower = [row for row in median["default"] if median["arena"][row] > median["default"][row]]

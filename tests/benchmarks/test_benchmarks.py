@@ -208,3 +208,20 @@ def test_bench_torch_alloc_reads_cpu_lists_as_the_kernel_writes_them():
     from benchmarks.alloc import bench_torch_alloc
     assert bench_torch_alloc.cpu_list("12-15") == {12, 13, 14, 15}
     assert bench_torch_alloc.cpu_list("3, 5,7-8") == {3, 5, 7, 8}
+
+
+def test_bench_torch_alloc_pairs_each_round_with_the_same_rounds_baseline(monkeypatch, capsys):
+    from benchmarks.alloc import bench_torch_alloc
+    runs = [{"allocator": "default", "us": {"r": 1.0}}, {"allocator": "arena", "us": {"r": 1.2}},
+            {"allocator": "default", "us": {"r": 10.0}}, {"allocator": "arena", "us": {"r": 5.0}},
+            {"allocator": "default", "us": {"r": 2.0}}, {"allocator": "arena", "us": {"r": 3.0}}]
+    ratio, ahead = bench_torch_alloc.paired(runs, "default", "arena")["r"]
+    assert ratio == pytest.approx(1.2) and ahead == 1  # pairs 1.2, 0.5, 1.5; the medians' ratio is 1.5
+    # the parent's report from those runs: the table's columns and the goal on the medians
+    monkeypatch.setattr(bench_torch_alloc.harness, "each_allocator", lambda *a, **k: runs)
+    monkeypatch.setattr(sys, "argv", ["bench_torch_alloc.py", "--rounds", "3", "--cpus", "none"])
+    bench_torch_alloc.main()
+    out = capsys.readouterr().out
+    assert "1.50" in out and "1.20, 1 of 3" in out
+    assert out.strip().splitlines()[-1] == ("goal: the process scope at or below PyTorch's allocator's time in every "
+                                            "row: slower: r 1.50x: NOT met")
