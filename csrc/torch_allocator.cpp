@@ -357,18 +357,14 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     for (const auto& observer : observers) observer(device, size, allowed, device_free);
   }
 
-  // The current device asked once per request, as PyTorch's allocator does: each ask is a CUDA
-  // runtime call, and the stream lookup without a device asks again.
+  // The device asked once (a CUDA runtime call each), as PyTorch's allocator does.
   c10::DataPtr allocate(size_t size) override {
     c10::DeviceIndex device = c10::cuda::current_device();
     void* ptr = alloc_on(size, device, c10::cuda::getCurrentCUDAStream(device));
     return {ptr, ptr, &delete_block, c10::Device(c10::DeviceType::CUDA, device)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
-  void* raw_alloc(size_t size) override {
-    c10::DeviceIndex device = c10::cuda::current_device();
-    return alloc_on(size, device, c10::cuda::getCurrentCUDAStream(device));
-  }
+  void* raw_alloc(size_t size) override { return allocate(size).release_context(); }  // freed by raw_delete
   void* raw_alloc_with_stream(size_t size, cudaStream_t stream) override {
     return alloc_on(size, c10::cuda::current_device(), stream);
   }
@@ -582,7 +578,6 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
 };
 
 std::string install_error;
-
 }  // namespace
 
 // Returns NULL once installed, or why not.

@@ -8,7 +8,9 @@ from 4 Python threads at once, with 256 tensors of mixed sizes live throughout (
 memory_stats walks); times per pair (per call for memory_stats), the fastest of five blocks in
 each process (the rows' blocks taken in turn), then the median of each allocator's rounds. Every
 process runs on the same CPUs (``--cpus``), so that where the host places a process does not
-decide its row.
+decide its row. The C++ rows time the allocator's allocate() and free alone, for each size list,
+from a loop in C++ (``torch_pairs.cpp``, built on first use as PyTorch builds extensions): what
+the allocator adds to every tensor, without the Python and tensor work both allocators share.
 
     python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--cpus LIST] [--json FILE]
 """
@@ -32,6 +34,8 @@ THREADS = (1, 4)
 # turn over the whole process: a slow spell of a shared host then costs a block of a few rows,
 # which the fastest block sheds, rather than every block of one row.
 BLOCKS = 5
+CXX_PAIRS = 8  # the C++ rows' pairs a block over the Python rows'
+CXX_SOURCE = Path(__file__).with_name("torch_pairs.cpp")
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -107,12 +111,25 @@ def default_cpus() -> str:
     return ",".join(map(str, mine[-4:])) if len(mine) >= 8 else "none"
 
 
+def cxx_pairs():
+    """The compiled loop of torch_pairs.cpp (PyTorch's extension cache keeps it between processes)."""
+    from torch.utils import cpp_extension
+    try:
+        return cpp_extension.load("bench_torch_alloc_pairs", [str(CXX_SOURCE)], with_cuda=True,
+                                  extra_cflags=["-O2"])
+    except Exception as e:  # noqa: BLE001 - the build's own output is long; its last line says why
+        why = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"bench_torch_alloc: building the C++ rows ({CXX_SOURCE.name}) failed: {why}; they need a "
+                         "C++ compiler and the CUDA headers, as the process scope's allocator does") from None
+
+
 def worker(name: str, iters: int, cpus: str) -> dict:
     if cpus != "none":
         os.sched_setaffinity(0, cpu_list(cpus))  # before torch starts its threads, which inherit it
     import torch
 
     allocators.install(name)
+    cxx = cxx_pairs()
     runs = {}  # row -> (work, threads, pairs a block); memory_stats' "pairs" are calls
     for label, sizes in size_lists().items():
         for live in ((0, 64) if label == "mixed" else (0,)):
@@ -122,6 +139,9 @@ def worker(name: str, iters: int, cpus: str) -> dict:
                 work = (lambda sizes=sizes, per=per, live=live: pairs(torch, sizes, per, live))
                 runs[f"{row}, {threads} thread{'s' if threads > 1 else ''}"] = (work, threads, per * threads)
                 pairs(torch, sizes * 2, len(sizes) * 2, live)  # steady state: every size seen
+    for label, sizes in size_lists().items():  # about 8x faster a pair than from Python: more pairs
+        per = CXX_PAIRS * iters // BLOCKS
+        runs[f"{label}, C++ allocate + free"] = (lambda sizes=sizes, per=per: cxx.pairs(sizes, per), 1, per)
     keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in size_lists()["mixed"][:256]]
     calls = max(200, iters // 200) // BLOCKS
     runs["torch.cuda.memory_stats()"] = (lambda: timed(torch.cuda.memory_stats, calls), 1, calls)
@@ -177,7 +197,7 @@ def main() -> None:
                   for row in results[0]["us"]} for n in names}
     base = names[0]
     pairs_of = {n: paired(results, base, n) for n in names[1:]}
-    harness.table(f"us per torch.empty + del (per call for memory_stats), fastest of {BLOCKS} blocks, median "
+    harness.table(f"us per torch.empty + del (C++ rows: per allocate + free; memory_stats: per call), fastest of {BLOCKS} blocks, median "
                   f"of {args.rounds} fresh processes each, A B alternated, {args.iters:,} pairs a row, CPUs {cpus}; "
                   f"paired: the median over the rounds of each process over {base}'s of the same round, and in "
                   f"how many rounds it was faster",
