@@ -2,13 +2,14 @@
 C++ loops (no Python) over the allocator's allocate() + free, at::empty, the device and stream
 lookups an allocator makes, and (arena) the core's entry points alone; Python's torch.empty + del
 beside them. Each allocator in fresh processes, alternated, pinned as bench_torch_alloc pins them;
-ns per operation, each the best of 5 loops, then the median of the rounds.
+ns per operation, each the best of 5 loops, then the median of the rounds. The started-thread row
+(added after run 97) times Python's pair from a thread other than the main one.
 
     python benchmarks/alloc/probe_pair.py [ROUNDS] [default,arena,arena@DIR]
 
 arena@DIR runs the process scope of the checkout at DIR (its alloc/ built), to set two versions
 of the allocator side by side."""
-import json, os, subprocess, sys, time, statistics
+import json, os, statistics, subprocess, sys, threading, time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 SRC = r'''
@@ -102,6 +103,12 @@ def child(name):
     for size, label in ((4096, "4K"), (1 << 20, "1M"), (16 << 20, "16M")):
         m.pair_ns(size, 1000); m.empty_ns(size, 1000)
         out[f"python {label}"] = py(size)
+        if label == "4K":  # a started thread pays about 5x the main thread's pair (RESULTS.md, run 85)
+            got = []
+            worker = threading.Thread(target=lambda: got.append(py(size)))
+            worker.start()
+            worker.join()
+            out["python 4K, started thread"] = got[0]
         out[f"empty {label}"] = best(m.empty_ns, size, N)
         out[f"pair {label}"] = best(m.pair_ns, size, N)
         if core:
