@@ -197,8 +197,9 @@ def main() -> None:
                   for row in results[0]["us"]} for n in names}
     base = names[0]
     pairs_of = {n: paired(results, base, n) for n in names[1:]}
-    harness.table(f"us per torch.empty + del (C++ rows: per allocate + free; memory_stats: per call), fastest of {BLOCKS} blocks, median "
-                  f"of {args.rounds} fresh processes each, A B alternated, {args.iters:,} pairs a row, CPUs {cpus}; "
+    harness.table(f"us per torch.empty + del (C++ rows: per allocate + free; memory_stats: per call), fastest "
+                  f"of {BLOCKS} blocks, median of {args.rounds} fresh processes each, A B alternated, "
+                  f"{args.iters:,} pairs a row, CPUs {cpus}; "
                   f"paired: the median over the rounds of each process over {base}'s of the same round, and in "
                   f"how many rounds it was faster",
                   ("row", *names, *(f"{n} / {base}" for n in names[1:]), *(f"{n} paired" for n in names[1:])),
