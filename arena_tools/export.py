@@ -262,7 +262,9 @@ def _segment(device: int, pool: str, base: int, blocks: list[dict]) -> dict:
 
 
 def _block(address: int, size: int, requested: int, used: bool) -> dict:
-    return {"address": address, "size": size, "requested_size": requested if used else 0,
+    # A free block keeps the requested bytes of the last allocation freed into it, as in PyTorch's
+    # own snapshots (the segment's requested_size counts the live blocks' alone).
+    return {"address": address, "size": size, "requested_size": requested,
             "state": "active_allocated" if used else "inactive", "frames": []}
 
 

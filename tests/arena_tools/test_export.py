@@ -168,6 +168,12 @@ def test_snapshot_segments_are_the_arenas(rec):
         live = sorted((b["address"], b["size"], b["requested_size"]) for s in segs for b in s["blocks"]
                       if b["state"] == "active_allocated")
         assert live == sorted((b.address, b.size, b.requested) for b in arena.blocks() if b.state == "used")
+        # free blocks too: each keeps the requested bytes of the last allocation freed into it
+        free = sorted((b["address"], b["size"], b["requested_size"]) for s in segs for b in s["blocks"]
+                      if b["state"] == "inactive")
+        assert free == sorted((b.address, b.size, b.requested) for b in arena.blocks() if b.state != "used")
+        assert any(r for _, _, r in free), "the recording frees nothing: the free blocks' check cannot fail"
+        assert sum(s["requested_size"] for s in segs) == sum(r for _, _, r in live)
         assert sum(s["allocated_size"] for s in segs) == arena.stats()["in_use"]
     assert len(snap["device_traces"]) == 1
     assert len(snap["device_traces"][0]) == len(rec.events) + sum(e.action == "free" for e in rec.events)
