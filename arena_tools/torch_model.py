@@ -108,7 +108,6 @@ class _Block:
     small: bool
     segment: int  # address of the segment's first byte
     allocated: bool = False
-    requested: int = 0
     prev: _Block | None = field(default=None, repr=False)
     next: _Block | None = field(default=None, repr=False)
 
@@ -194,7 +193,6 @@ class CachingAllocatorModel:
             self._blocks[rest.address] = rest
             insort(self._free[small], (rest.size, rest.address))
         block.allocated = True
-        block.requested = size
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         return block.address
@@ -206,7 +204,6 @@ class CachingAllocatorModel:
         if block is None or not block.allocated:
             raise ValueError(f"invalid device pointer: {handle:#x} is not an allocated block")
         block.allocated = False
-        block.requested = 0
         self.allocated -= block.size
         for neighbour in (block.prev, block.next):
             if neighbour is not None and not neighbour.allocated:
