@@ -1,7 +1,7 @@
 """Where a torch.empty + del pair spends its time, under PyTorch's allocator and the process scope:
-C++ loops (no Python) over the allocator's allocate() + free, at::empty, the device and stream
-lookups an allocator makes, and (arena) the core's entry points alone; Python's torch.empty + del
-beside them. Each allocator in fresh processes, alternated, pinned as bench_torch_alloc pins them;
+C++ loops (no Python) over the allocator's allocate() + free (bench_torch_alloc's C++ row),
+at::empty, the device and stream lookups an allocator makes, and (arena) the core's entry points
+alone; Python's torch.empty + del (bench_torch_alloc's one-thread row) beside them. Each allocator in fresh processes, alternated, pinned as bench_torch_alloc pins them;
 ns per operation, each the best of 5 loops, then the median of the rounds. The started-thread row
 (added after run 97) times Python's pair from a thread other than the main one.
 
@@ -9,7 +9,14 @@ ns per operation, each the best of 5 loops, then the median of the rounds. The s
 
 arena@DIR runs the process scope of the checkout at DIR (its alloc/ built), to set two versions
 of the allocator side by side."""
-import json, os, statistics, subprocess, sys, threading, time
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 SRC = r'''
@@ -20,12 +27,8 @@ SRC = r'''
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <chrono>
 using clk = std::chrono::steady_clock;
-static double ns(clk::time_point a, clk::time_point b, long n) { return std::chrono::duration<double, std::nano>(b - a).count() / n; }
-double pair_ns(long size, long n) {
-  auto* al = c10::cuda::CUDACachingAllocator::get();
-  auto a = clk::now();
-  for (long i = 0; i < n; i++) { auto dp = al->allocate(size); }
-  return ns(a, clk::now(), n);
+static double ns(clk::time_point a, clk::time_point b, long n) {
+  return std::chrono::duration<double, std::nano>(b - a).count() / n;
 }
 double empty_ns(long size, long n) {
   auto o = at::TensorOptions().dtype(at::kByte).device(at::kCUDA);
@@ -50,7 +53,8 @@ double profiling_ns(long n) {
 }
 double roundup_ns(long n) {
   volatile long s = 0; auto a = clk::now();
-  for (long i = 0; i < n; i++) s += c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(4096 + i % 7);
+  for (long i = 0; i < n; i++)
+    s += c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(4096 + i % 7);
   return ns(a, clk::now(), n);
 }
 typedef void* (*alloc_fn)(size_t, size_t, int, void*, const void*);
@@ -63,45 +67,50 @@ double core_ns(long fa, long ff, long size, long n) {
   return ns(a, clk::now(), n);
 }
 '''
-FUNCS = ["pair_ns", "empty_ns", "device_ns", "stream_ns", "profiling_ns", "roundup_ns", "core_ns"]
-BUILD = "/tmp/probe_ext"
+FUNCS = ["empty_ns", "device_ns", "stream_ns", "profiling_ns", "roundup_ns", "core_ns"]
+
 
 def ext():
+    """This program's loops, and bench_torch_alloc's allocate + free loop (torch_pairs.cpp)."""
     from torch.utils.cpp_extension import load_inline
-    os.makedirs(BUILD, exist_ok=True)
-    return load_inline("pairprobe", cpp_sources=SRC, functions=FUNCS, with_cuda=True,
-                       build_directory=BUILD, extra_cflags=["-O2"], verbose=False)
+
+    from benchmarks.alloc.bench_torch_alloc import cxx_pairs
+    return load_inline("pairprobe", cpp_sources=SRC, functions=FUNCS, with_cuda=True, extra_cflags=["-O2"]), cxx_pairs()
+
 
 def child(name):
     if "@" in name:  # arena@DIR: the allocator of another checkout
         sys.path.insert(0, os.path.abspath(name.split("@")[1]))
-    from benchmarks.alloc.bench_torch_alloc import cpu_list, default_cpus
+    from benchmarks.alloc.bench_torch_alloc import cpu_list, default_cpus, pairs
     if default_cpus() != "none":
         os.sched_setaffinity(0, cpu_list(default_cpus()))
     import torch
     from arena_tools import allocators
     allocators.install(name.split("@")[0])
-    m = ext()
-    torch.empty(1, device="cuda"); torch.cuda.synchronize()
+    m, cxx = ext()
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
     N = 200_000
     core = None
     if name.startswith("arena"):
         from alloc._core import ffi, lib
         ep = lib.ia_torch_entry_points()
         core = (int(ffi.cast("uintptr_t", ep.alloc)), int(ffi.cast("uintptr_t", ep.free)))
+
     def best(f, *a):
         return min(f(*a) for _ in range(5))
-    def py(size, n=50_000):
-        def once():
-            t0 = time.perf_counter()
-            for _ in range(n):
-                t = torch.empty(size, dtype=torch.uint8, device="cuda"); del t
-            return (time.perf_counter() - t0) / n * 1e9
-        return min(once() for _ in range(5))
+
+    def py(size, n=50_000):  # bench_torch_alloc's one-thread row: torch.empty + del from Python
+        return min(pairs(torch, [size], n, 0) for _ in range(5)) / n * 1e9
+
+    def pair_ns(size, n):  # bench_torch_alloc's C++ row: the allocator's allocate + free alone
+        return cxx.pairs([size], n) / n * 1e9
+
     keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in (4096, 1 << 20, 16 << 20) for _ in range(20)]
     out = {}
     for size, label in ((4096, "4K"), (1 << 20, "1M"), (16 << 20, "16M")):
-        m.pair_ns(size, 1000); m.empty_ns(size, 1000)
+        pair_ns(size, 1000)
+        m.empty_ns(size, 1000)
         out[f"python {label}"] = py(size)
         if label == "4K":  # a started thread pays about 5x the main thread's pair (RESULTS.md, run 85)
             got = []
@@ -110,7 +119,7 @@ def child(name):
             worker.join()
             out["python 4K, started thread"] = got[0]
         out[f"empty {label}"] = best(m.empty_ns, size, N)
-        out[f"pair {label}"] = best(m.pair_ns, size, N)
+        out[f"pair {label}"] = best(pair_ns, size, N)
         if core:
             out[f"core {label}"] = best(m.core_ns, core[0], core[1], size, N)
     out["current_device"] = best(m.device_ns, N)
@@ -120,27 +129,33 @@ def child(name):
     del keep
     print("RESULT " + json.dumps({"allocator": name, "ns": out}), flush=True)
 
+
 def main():
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         return child(sys.argv[2])
-    import torch  # noqa: build once in the parent
-    t0 = time.time(); ext(); print(f"built in {time.time() - t0:.0f} s", flush=True)
+    t0 = time.time()
+    ext()  # built once here; the children find it in PyTorch's extension cache
+    print(f"built in {time.time() - t0:.0f} s", flush=True)
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     names = sys.argv[2].split(",") if len(sys.argv) > 2 else ["default", "arena"]
     res = []
     for r in range(rounds):
         for name in names:
-            p = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, timeout=120)
-            line = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
+            p = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True,
+                               timeout=120)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if not line:
-                print(name, "failed", p.stderr[-2000:]); continue
+                print(name, "failed", p.stderr[-2000:])
+                continue
             res.append(json.loads(line[0][7:]))
     rows = list(dict.fromkeys(k for r in res for k in r["ns"]))
-    print(f"{'ns per op (median of rounds; each best of 5)':28s} " + " ".join(f"{n[:16]:>16s}" for n in names) + "   rounds")
+    print(f"{'ns per op (median of rounds; each best of 5)':28s} " + " ".join(f"{n[:16]:>16s}" for n in names)
+          + "   rounds")
     for row in rows:
         cols = [[r["ns"][row] for r in res if r["allocator"] == n and row in r["ns"]] for n in names]
         med = [f"{statistics.median(c):16.1f}" if c else f"{'-':>16s}" for c in cols]
         print(f"{row:28s} " + " ".join(med) + "   " + " / ".join(" ".join(f"{x:.0f}" for x in c) for c in cols))
+
 
 if __name__ == "__main__":
     main()
