@@ -1,9 +1,11 @@
 """Where a torch.empty + del pair spends its time, under PyTorch's allocator and the process scope:
 C++ loops (no Python) over the allocator's allocate() + free (bench_torch_alloc's C++ row),
 at::empty, the device and stream lookups an allocator makes, and (arena) the core's entry points
-alone; Python's torch.empty + del (bench_torch_alloc's one-thread row) beside them. Each allocator in fresh processes, alternated, pinned as bench_torch_alloc pins them;
-ns per operation, each the best of 5 loops, then the median of the rounds. The started-thread row
-(added after run 97) times Python's pair from a thread other than the main one.
+alone; Python's torch.empty + del (bench_torch_alloc's one-thread row) beside them. Each allocator
+in fresh processes, alternated, pinned as bench_torch_alloc pins them; ns per operation, each the
+best of 5 loops, then the median of the rounds. The started-thread rows (added after run 97) time
+the pair from a thread other than the main one, from Python and from C++, and the four-thread row
+is bench_torch_alloc's (4 KiB).
 
     python benchmarks/alloc/probe_pair.py [ROUNDS] [default,arena,arena@DIR]
 
@@ -81,7 +83,7 @@ def ext():
 def child(name):
     if "@" in name:  # arena@DIR: the allocator of another checkout
         sys.path.insert(0, os.path.abspath(name.split("@")[1]))
-    from benchmarks.alloc.bench_torch_alloc import cpu_list, default_cpus, pairs
+    from benchmarks.alloc.bench_torch_alloc import cpu_list, default_cpus, pairs, threaded
     if default_cpus() != "none":
         os.sched_setaffinity(0, cpu_list(default_cpus()))
     import torch
@@ -113,11 +115,19 @@ def child(name):
         m.empty_ns(size, 1000)
         out[f"python {label}"] = py(size)
         if label == "4K":  # a started thread pays about 5x the main thread's pair (RESULTS.md, run 85)
-            got = []
-            worker = threading.Thread(target=lambda: got.append(py(size)))
+            got = {}
+
+            def in_thread():  # Python's pair, at::empty and the allocator's pair, from one started thread
+                got["python 4K, started thread"] = py(size)
+                got["empty 4K, started thread"] = best(m.empty_ns, size, N)
+                got["pair 4K, started thread"] = best(pair_ns, size, N)
+            worker = threading.Thread(target=in_thread)
             worker.start()
             worker.join()
-            out["python 4K, started thread"] = got[0]
+            out.update(got)
+            per = 50_000 // 4  # bench_torch_alloc's four-thread row, its fastest of 5
+            out["python 4K, 4 threads"] = min(threaded(lambda: pairs(torch, [size], per, 0), 4)
+                                              for _ in range(5)) / (4 * per) * 1e9
         out[f"empty {label}"] = best(m.empty_ns, size, N)
         out[f"pair {label}"] = best(pair_ns, size, N)
         if core:

@@ -140,6 +140,34 @@ print(json.dumps({"held": held, "cached": cached, "after": alloc.memory_reserved
     assert out["freed"] >= 150 << 20
 
 
+def test_raw_allocations_are_served_and_given_back():
+    """PyTorch's raw entry points: Thrust's temporaries (torch.mode along a row longer than its
+    fused kernel takes) come through raw_alloc, torch.cuda.caching_allocator_alloc through
+    raw_alloc_with_stream, and both go back through raw_delete."""
+    out = run("""
+alloc.install()
+g = torch.Generator(device="cuda").manual_seed(7)
+x = torch.randint(0, 50, (3, 40000), generator=g, device="cuda")
+x[:, ::7] = torch.tensor([[3], [17], [41]], device="cuda")  # each row's mode, by far
+torch.cuda.synchronize()
+base = torch.cuda.memory_allocated()
+values, where = torch.mode(x, dim=1)
+same = values.tolist() == [3, 17, 41]
+picked = bool((x.gather(1, where[:, None])[:, 0] == values).all())
+del values, where
+torch.cuda.synchronize()
+after_mode = torch.cuda.memory_allocated() - base
+side = torch.cuda.Stream()
+ptr = torch.cuda.caching_allocator_alloc(3 << 20, stream=side)
+held = torch.cuda.memory_allocated() - base
+torch.cuda.caching_allocator_delete(ptr)
+print(json.dumps({"same": same, "picked": picked, "after_mode": after_mode, "held": held,
+                  "after": torch.cuda.memory_allocated() - base}))
+""")
+    assert out["same"] and out["picked"]
+    assert out["after_mode"] == 0 and out["held"] >= 3 << 20 and out["after"] == 0
+
+
 @pytest.mark.device_wide
 def test_general_regions_cost_the_device_what_they_hold():
     """Each region is one cudaMalloc of exactly its size: asking the driver for more (an
