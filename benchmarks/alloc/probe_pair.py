@@ -4,8 +4,8 @@ at::empty, the device and stream lookups an allocator makes, and (arena) the cor
 alone; Python's torch.empty + del (bench_torch_alloc's one-thread row) beside them. Each allocator
 in fresh processes, alternated, pinned as bench_torch_alloc pins them; ns per operation, each the
 best of 5 loops, then the median of the rounds. The started-thread rows (added after run 97) time
-the pair from a thread other than the main one, from Python and from C++, and the four-thread row
-is bench_torch_alloc's (4 KiB).
+the pair from a thread other than the main one, from Python and from C++, before and after that
+thread launched a kernel; the four-thread row is bench_torch_alloc's (4 KiB).
 
     python benchmarks/alloc/probe_pair.py [ROUNDS] [default,arena,arena@DIR]
 
@@ -118,9 +118,15 @@ def child(name):
             got = {}
 
             def in_thread():  # Python's pair, at::empty and the allocator's pair, from one started thread
-                got["python 4K, started thread"] = py(size)
-                got["empty 4K, started thread"] = best(m.empty_ns, size, N)
-                got["pair 4K, started thread"] = best(pair_ns, size, N)
+                for when in ("", ", after a kernel"):
+                    got[f"python 4K, started thread{when}"] = py(size)
+                    got[f"empty 4K, started thread{when}"] = best(m.empty_ns, size, N // 4)
+                    got[f"pair 4K, started thread{when}"] = best(pair_ns, size, N // 4)
+                    got[f"current_device, started thread{when}"] = best(m.device_ns, N // 4)
+                    # A thread that never launched work may have no CUDA context current, which
+                    # pairs alone never make current: is that what a started thread pays for?
+                    torch.ones(1, device="cuda")
+                    torch.cuda.synchronize()
             worker = threading.Thread(target=in_thread)
             worker.start()
             worker.join()
@@ -158,6 +164,7 @@ def main():
                 print(name, "failed", p.stderr[-2000:])
                 continue
             res.append(json.loads(line[0][7:]))
+            print(line[0], flush=True)  # as it comes: a time limit still leaves the rounds done
     rows = list(dict.fromkeys(k for r in res for k in r["ns"]))
     print(f"{'ns per op (median of rounds; each best of 5)':28s} " + " ".join(f"{n[:16]:>16s}" for n in names)
           + "   rounds")
