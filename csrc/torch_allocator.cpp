@@ -368,7 +368,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
   void* raw_alloc_with_stream(size_t size, cudaStream_t stream) override {
     return alloc_on(size, c10::cuda::current_device(), stream);
   }
-  void raw_delete(void* ptr) override { core->free(ptr); }
+  void raw_delete(void* ptr) override { delete_block(ptr); }  // the DataPtrs' own free, as in PyTorch
 
   // ---- graph pools: PyTorch calls begin before the capture starts and end after it stopped.
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t id, std::function<bool(cudaStream_t)> filter) override {
