@@ -130,8 +130,9 @@ def worker(name: str, iters: int, cpus: str) -> dict:
 
     allocators.install(name)
     cxx = cxx_pairs()
+    lists = size_lists()
     runs = {}  # row -> (work, threads, pairs a block); memory_stats' "pairs" are calls
-    for label, sizes in size_lists().items():
+    for label, sizes in lists.items():
         for live in ((0, 64) if label == "mixed" else (0,)):
             row = f"{label}{', 64 live' if live else ''}"
             for threads in THREADS:
@@ -139,10 +140,10 @@ def worker(name: str, iters: int, cpus: str) -> dict:
                 work = (lambda sizes=sizes, per=per, live=live: pairs(torch, sizes, per, live))
                 runs[f"{row}, {threads} thread{'s' if threads > 1 else ''}"] = (work, threads, per * threads)
                 pairs(torch, sizes * 2, len(sizes) * 2, live)  # steady state: every size seen
-    for label, sizes in size_lists().items():  # about 8x faster a pair than from Python: more pairs
+    for label, sizes in lists.items():  # about 8x faster a pair than from Python: more pairs
         per = CXX_PAIRS * iters // BLOCKS
         runs[f"{label}, C++ allocate + free"] = (lambda sizes=sizes, per=per: cxx.pairs(sizes, per), 1, per)
-    keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in size_lists()["mixed"][:256]]
+    keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in lists["mixed"][:256]]
     calls = max(200, iters // 200) // BLOCKS
     runs["torch.cuda.memory_stats()"] = (lambda: timed(torch.cuda.memory_stats, calls), 1, calls)
     torch.cuda.memory_stats()
