@@ -2,15 +2,16 @@
 under PyTorch's allocator and under the process scope, each round in a fresh process, the
 allocators alternated (A B A B), and ``torch.cuda.memory_stats()`` timed the same way.
 
-Rows: one size at a time (4 KiB, 1 MiB, 16 MiB), mixed sizes (log-uniform 4 KiB-16 MiB), and a
-mixed working set (64 tensors kept live, one replaced at a time), each from the main thread and
-from 4 Python threads at once, with 256 tensors of mixed sizes live throughout (what
-memory_stats walks); times per pair (per call for memory_stats), the fastest of five blocks in
-each process (the rows' blocks taken in turn), then the median of each allocator's rounds. Every
-process runs on the same CPUs (``--cpus``), so that where the host places a process does not
-decide its row. The C++ rows time the allocator's allocate() and free alone, for each size list,
-from a loop in C++ (``torch_pairs.cpp``, built on first use as PyTorch builds extensions): what
-the allocator adds to every tensor, without the Python and tensor work both allocators share.
+Rows: one size at a time (4 KiB, 1 MiB, 16 MiB), mixed sizes (log-uniform 4 KiB-16 MiB), and a mixed
+working set (64 tensors kept live, one replaced at a time), each from the main thread and from 4
+Python threads at once (each having launched a kernel, as a worker's threads have), with 256 tensors
+of mixed sizes live throughout (what memory_stats walks); times per pair (per call for
+memory_stats), the fastest of five blocks in each process (the rows' blocks taken in turn), then the
+median of each allocator's rounds. Every process runs on the same CPUs (``--cpus``), so that where
+the host places a process does not decide its row. The C++ rows time the allocator's allocate() and
+free alone, for each size list, from a loop in C++ (``torch_pairs.cpp``, built on first use as
+PyTorch builds extensions): what the allocator adds to every tensor, without the Python and tensor
+work both allocators share.
 
     python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--cpus LIST] [--json FILE]
 """
@@ -68,9 +69,9 @@ def timed(call, n: int) -> float:
     return time.perf_counter() - start
 
 
-def threaded(work, threads: int) -> float:
+def threaded(work, threads: int, enter=None) -> float:
     """Wall seconds of work() run by threads Python threads started together (one: this thread,
-    as a worker's own allocations run)."""
+    as a worker's own allocations run); each started thread calls enter() first, untimed."""
     if threads == 1:
         start = time.perf_counter()
         work()
@@ -78,6 +79,8 @@ def threaded(work, threads: int) -> float:
     barrier = threading.Barrier(threads + 1)
 
     def body():
+        if enter:
+            enter()
         barrier.wait()
         work()
 
@@ -123,6 +126,14 @@ def cxx_pairs():
                          "C++ compiler and the CUDA headers, as the process scope's allocator does") from None
 
 
+def launch(torch) -> None:
+    """One kernel from this thread, as a serving worker's threads have launched before they
+    allocate: until a thread launches work the CUDA runtime may hold no context current for it,
+    and every device lookup both allocators make then takes a slower path."""
+    torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+
+
 def worker(name: str, iters: int, cpus: str) -> dict:
     if cpus != "none":
         os.sched_setaffinity(0, cpu_list(cpus))  # before torch starts its threads, which inherit it
@@ -151,7 +162,7 @@ def worker(name: str, iters: int, cpus: str) -> dict:
     best = {row: float("inf") for row in runs}
     for _ in range(BLOCKS):
         for row, (work, threads, n) in runs.items():
-            best[row] = min(best[row], threaded(work, threads) / n)
+            best[row] = min(best[row], threaded(work, threads, enter=lambda: launch(torch)) / n)
     del keep
     return {"allocator": name, "us": {row: t * 1e6 for row, t in best.items()}, "torch": torch.__version__,
             "device": torch.cuda.get_device_name(), "cpus": cpus}

@@ -5,7 +5,8 @@ alone; Python's torch.empty + del (bench_torch_alloc's one-thread row) beside th
 in fresh processes, alternated, pinned as bench_torch_alloc pins them; ns per operation, each the
 best of 5 loops, then the median of the rounds. The started-thread rows (added after run 97) time
 the pair from a thread other than the main one, from Python and from C++, before and after that
-thread launched a kernel; the four-thread row is bench_torch_alloc's (4 KiB).
+thread launched a kernel; the four-thread row is bench_torch_alloc's (4 KiB), its threads
+launching a kernel first (as they do there since run 102) and not.
 
     python benchmarks/alloc/probe_pair.py [ROUNDS] [default,arena,arena@DIR]
 
@@ -83,7 +84,7 @@ def ext():
 def child(name):
     if "@" in name:  # arena@DIR: the allocator of another checkout
         sys.path.insert(0, os.path.abspath(name.split("@")[1]))
-    from benchmarks.alloc.bench_torch_alloc import cpu_list, default_cpus, pairs, threaded
+    from benchmarks.alloc.bench_torch_alloc import cpu_list, default_cpus, launch, pairs, threaded
     if default_cpus() != "none":
         os.sched_setaffinity(0, cpu_list(default_cpus()))
     import torch
@@ -125,15 +126,15 @@ def child(name):
                     got[f"current_device, started thread{when}"] = best(m.device_ns, N // 4)
                     # A thread that never launched work may have no CUDA context current, which
                     # pairs alone never make current: is that what a started thread pays for?
-                    torch.ones(1, device="cuda")
-                    torch.cuda.synchronize()
+                    launch(torch)
             worker = threading.Thread(target=in_thread)
             worker.start()
             worker.join()
             out.update(got)
             per = 50_000 // 4  # bench_torch_alloc's four-thread row, its fastest of 5
-            out["python 4K, 4 threads"] = min(threaded(lambda: pairs(torch, [size], per, 0), 4)
-                                              for _ in range(5)) / (4 * per) * 1e9
+            for when, enter in (("", None), (", after a kernel", lambda: launch(torch))):
+                out[f"python 4K, 4 threads{when}"] = min(threaded(lambda: pairs(torch, [size], per, 0), 4, enter)
+                                                         for _ in range(5)) / (4 * per) * 1e9
         out[f"empty {label}"] = best(m.empty_ns, size, N)
         out[f"pair {label}"] = best(pair_ns, size, N)
         if core:

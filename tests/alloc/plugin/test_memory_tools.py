@@ -219,6 +219,30 @@ print(json.dumps({"plot": "test_memory_tools" in plot or "<string>" in plot,
 """)
 
 
+
+def test_raw_frees_reach_memory_history_and_the_profiler():
+    # torch.cuda.caching_allocator_delete ends in the allocator's raw_delete: PyTorch's goes
+    # through its free, which records the free's stack in the history and reports it to the
+    # profiler, as a tensor's free does.
+    out = both("""
+torch.cuda.memory._record_memory_history("all", context="all", stacks="python")
+def raw_free(p):
+    torch.cuda.caching_allocator_delete(p)
+with torch.profiler.profile(profile_memory=True) as prof:
+    p = torch.cuda.caching_allocator_alloc(3 << 20)
+    raw_free(p)
+trace = torch.cuda.memory._snapshot()["device_traces"][0]
+torch.cuda.memory._record_memory_history(None)
+mine = [e for e in trace if e["addr"] == p and e["action"] in ("alloc", "free_requested", "free_completed")]
+events = [e.cuda_memory_usage for e in prof.events()
+          if e.name == "[memory]" and e.device_type == torch.autograd.DeviceType.CUDA]
+print(json.dumps({"actions": [e["action"] for e in mine],
+                  "freed_in": [any(f["name"] == "raw_free" for f in e["frames"]) for e in mine],
+                  "profiled": [u > 0 for u in events if abs(u) >= 3 << 20]}))
+""")
+    assert out["actions"] == ["alloc", "free_requested", "free_completed"], out
+    assert out["freed_in"] == [False, True, True] and out["profiled"] == [True, False], out
+
 ALLOCATOR_SO = r'''
 #include <dlfcn.h>
 #include <stddef.h>
