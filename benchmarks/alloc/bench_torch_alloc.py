@@ -157,6 +157,7 @@ def worker(name: str, iters: int, cpus: str) -> dict:
     keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in lists["mixed"][:256]]
     calls = max(200, iters // 200) // BLOCKS
     runs["torch.cuda.memory_stats()"] = (lambda: timed(torch.cuda.memory_stats, calls), 1, calls)
+    runs["getDeviceStats, C++"] = (lambda: cxx.stats(CXX_PAIRS * calls), 1, CXX_PAIRS * calls)
     torch.cuda.memory_stats()
     torch.cuda.synchronize()
     best = {row: float("inf") for row in runs}
