@@ -11,7 +11,9 @@ median of each allocator's rounds. Every process runs on the same CPUs (``--cpus
 the host places a process does not decide its row. The C++ rows time the allocator's allocate() and
 free alone, for each size list, from a loop in C++ (``torch_pairs.cpp``, built on first use as
 PyTorch builds extensions): what the allocator adds to every tensor, without the Python and tensor
-work both allocators share.
+work both allocators share; from one thread and from 4 C++ threads at once, which meet inside the
+allocator with no interpreter lock to take turns on. The getDeviceStats row is the allocator's share
+of memory_stats, timed from C++ the same way.
 
     python benchmarks/alloc/bench_torch_alloc.py [--iters N] [--rounds R] [--allocators a,b] [--cpus LIST] [--json FILE]
 """
@@ -152,8 +154,10 @@ def worker(name: str, iters: int, cpus: str) -> dict:
                 runs[f"{row}, {threads} thread{'s' if threads > 1 else ''}"] = (work, threads, per * threads)
                 pairs(torch, sizes * 2, len(sizes) * 2, live)  # steady state: every size seen
     for label, sizes in lists.items():  # about 8x faster a pair than from Python: more pairs
-        per = CXX_PAIRS * iters // BLOCKS
-        runs[f"{label}, C++ allocate + free"] = (lambda sizes=sizes, per=per: cxx.pairs(sizes, per), 1, per)
+        for threads in THREADS:  # the C++ loop starts its own threads, no interpreter lock between them
+            per = CXX_PAIRS * iters // BLOCKS // threads * threads
+            row = f"{label}, C++ allocate + free{f', {threads} threads' if threads > 1 else ''}"
+            runs[row] = (lambda sizes=sizes, per=per, threads=threads: cxx.pairs(sizes, per, threads), 1, per)
     keep = [torch.empty(s, dtype=torch.uint8, device="cuda") for s in lists["mixed"][:256]]
     calls = max(200, iters // 200) // BLOCKS
     runs["torch.cuda.memory_stats()"] = (lambda: timed(torch.cuda.memory_stats, calls), 1, calls)
