@@ -13,6 +13,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -41,23 +43,39 @@ double pairs(const std::vector<int64_t>& sizes, int64_t n, int64_t threads) {
   int64_t each = n / threads;
   std::atomic<int64_t> ready{0};
   std::atomic<bool> go{false};
+  std::mutex failed_mu;
+  std::string failed;  // the first thread's error, raised here once all have ended
+  auto fail = [&](const std::exception& e) {
+    std::lock_guard<std::mutex> lock(failed_mu);
+    if (failed.empty()) failed = e.what();
+  };
   std::vector<std::thread> pool;
   for (int64_t t = 0; t < threads; t++)
     pool.emplace_back([&, t] {
-      // The device's context made current first, as on a serving worker's threads: a thread
-      // without one pays the CUDA runtime's slow path on every device lookup, under either
-      // allocator.
-      c10::cuda::set_device(device);
-      C10_CUDA_CHECK(cudaFree(nullptr));
+      try {
+        // The device's context made current first, as on a serving worker's threads: a thread
+        // without one pays the CUDA runtime's slow path on every device lookup, under either
+        // allocator.
+        c10::cuda::set_device(device);
+        C10_CUDA_CHECK(cudaFree(nullptr));
+      } catch (const std::exception& e) {
+        fail(e);
+      }
       ready.fetch_add(1);
       while (!go.load()) std::this_thread::yield();
-      allocate_and_free(sizes, t * each, each);  // each thread starts at its own place in the list
+      try {
+        allocate_and_free(sizes, t * each, each);  // each thread starts at its own place in the list
+      } catch (const std::exception& e) {
+        fail(e);
+      }
     });
   while (ready.load() < threads) std::this_thread::yield();
   auto start = Clock::now();
   go.store(true);
   for (auto& thread : pool) thread.join();
-  return seconds_since(start);
+  double seconds = seconds_since(start);
+  TORCH_CHECK(failed.empty(), "pairs: a thread failed: ", failed);
+  return seconds;
 }
 
 double stats(int64_t n) {

@@ -219,7 +219,6 @@ print(json.dumps({"plot": "test_memory_tools" in plot or "<string>" in plot,
 """)
 
 
-
 def test_raw_frees_reach_memory_history_as_pytorchs_do():
     # torch.cuda.caching_allocator_delete ends in the allocator's raw_delete: PyTorch's goes
     # through its free, which records the free's stack in the history as a tensor's free does.
