@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from benchmarks.alloc import bench_arena
 from tests.support import ROOT
@@ -223,5 +225,24 @@ def test_bench_torch_alloc_pairs_each_round_with_the_same_rounds_baseline(monkey
     bench_torch_alloc.main()
     out = capsys.readouterr().out
     assert "1.50" in out and "1.20, 1 of 3" in out
+    assert "one-sided sign test, p < 0.05): no row" in out  # behind in 2 of 3: half of all ties are
     assert out.strip().splitlines()[-1] == ("goal: the process scope at or below PyTorch's allocator's time in every "
                                             "row: slower: r 1.50x: NOT met")
+
+
+@pytest.mark.parametrize("behind, rounds, chance", [(0, 12, 1.0), (12, 12, 1 / 4096), (10, 12, 79 / 4096),
+                                                   (9, 12, 299 / 4096), (4, 8, 163 / 256)])
+def test_bench_torch_alloc_sign_test_counts_every_way_a_tie_falls(behind, rounds, chance):
+    from benchmarks.alloc import bench_torch_alloc
+    assert bench_torch_alloc.behind_by_chance(behind, rounds) == pytest.approx(chance)
+
+
+@given(st.data())
+def test_bench_torch_alloc_sign_test_is_a_tie_seen_from_either_side(data):
+    # A tie leaves the process scope behind in k or more rounds exactly as often as it leaves it
+    # ahead in n - k + 1 or more, and the two cover every outcome once.
+    from benchmarks.alloc import bench_torch_alloc
+    rounds = data.draw(st.integers(1, 60))
+    behind = data.draw(st.integers(1, rounds))
+    assert (bench_torch_alloc.behind_by_chance(behind, rounds)
+            + bench_torch_alloc.behind_by_chance(rounds - behind + 1, rounds)) == pytest.approx(1.0)
