@@ -225,9 +225,25 @@ def test_bench_torch_alloc_pairs_each_round_with_the_same_rounds_baseline(monkey
     bench_torch_alloc.main()
     out = capsys.readouterr().out
     assert "1.50" in out and "1.20, 1 of 3" in out
-    assert "one-sided sign test, p < 0.05): no row" in out  # behind in 2 of 3: half of all ties are
+    assert "p < 0.05 over the 1 rows together): no row" in out  # behind in 2 of 3: half of all ties are
     assert out.strip().splitlines()[-1] == ("goal: the process scope at or below PyTorch's allocator's time in every "
                                             "row: slower: r 1.50x: NOT met")
+
+
+def test_bench_torch_alloc_names_a_row_behind_in_more_rounds_than_ties_allow(monkeypatch, capsys):
+    # Two rows, six rounds: "slow" is behind in all six (1 in 64 for a tie, under 0.05 / 2), "even"
+    # in three; the medians would call both slower.
+    from benchmarks.alloc import bench_torch_alloc
+    runs = []
+    for i in range(6):
+        runs += [{"allocator": "default", "us": {"slow": 1.0 + i, "even": 1.0}},
+                 {"allocator": "arena", "us": {"slow": 1.1 + i, "even": (0.9, 1.3)[i % 2]}}]
+    monkeypatch.setattr(bench_torch_alloc.harness, "each_allocator", lambda *a, **k: runs)
+    monkeypatch.setattr(sys, "argv", ["bench_torch_alloc.py", "--rounds", "6", "--cpus", "none"])
+    bench_torch_alloc.main()
+    out = capsys.readouterr().out
+    assert "p < 0.05 over the 2 rows together): slow (6 of 6)\n" in out
+    assert out.strip().splitlines()[-1].endswith("slower: slow 1.03x; even 1.10x: NOT met")
 
 
 @pytest.mark.parametrize("behind, rounds, chance", [(0, 12, 1.0), (12, 12, 1 / 4096), (10, 12, 79 / 4096),
