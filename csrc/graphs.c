@@ -499,21 +499,22 @@ static void flush_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
 void _ia_graph_pools_flush_events(int device) { _ia_graph_each_arena(device, flush_one, NULL); }
 
 typedef struct {
-  int kind;
-  ia_stats_t *sum;
+  ia_stats_t *kinds;
+  int count;
 } adding_t;
 
 static void add_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
   (void)id;
   adding_t *adding = ctx;
   if (kind == GRAPH_WORKSPACE) return; /* its bytes are the workspace arena's */
-  if (adding->kind >= 0 && kind != adding->kind) return;
   ia_stats_t s;
   ia_arena_stats(arena, &s);
-  _ia_stats_add(adding->sum, &s);
+  _ia_stats_add(&adding->kinds[IA_KIND_ALL], &s);
+  if (adding->count == IA_KIND_COUNT)
+    _ia_stats_add(&adding->kinds[kind == GRAPH_SMALL ? IA_KIND_SMALL : IA_KIND_LARGE], &s);
 }
 
-void _ia_graph_add_stats(int device, int kind, ia_stats_t *sum) {
-  adding_t adding = {kind, sum};
+void _ia_graph_add_stats(int device, ia_stats_t *kinds, int count) {
+  adding_t adding = {kinds, count};
   _ia_graph_each_arena(device, add_one, &adding);
 }

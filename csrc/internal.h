@@ -239,7 +239,9 @@ void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s);
 /* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */
 void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
                           void *ctx);
-void _ia_graph_add_stats(int device, int kind, ia_stats_t *sum); /* arenas of `kind` (-1: both) */
+/* Adds the graph pools' arenas as sum_device (plugin.c) does: kinds[IA_KIND_ALL], and the small or
+ * large one when count is IA_KIND_COUNT. */
+void _ia_graph_add_stats(int device, ia_stats_t *kinds, int count);
 /* Backends whose reservations are blocks of `parent` taken on `stream`, or come from a MemPool's
  * allocator; events come from `events`, which each owns. */
 ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int device, ia_stream_t stream,

@@ -310,29 +310,38 @@ static void exact(ia_stat_t *s, const _ia_total_t *t) {
   s->peak = t->peak;
 }
 
-void ia_plugin_device_stats(int device, ia_stats_t *out) {
-  memset(out, 0, sizeof *out);
+/* The device's arenas summed in one pass, each read once: every arena into kinds[IA_KIND_ALL],
+ * and with count IA_KIND_COUNT the general small and large pools into kinds[IA_KIND_SMALL] and
+ * kinds[IA_KIND_LARGE] too, each with the graph pools' arenas of its kind (as PyTorch counts a
+ * private pool's blocks). The device-wide current and peak are its totals' exact ones. */
+static void sum_device(int device, ia_stats_t *kinds, int count) {
+  memset(kinds, 0, (size_t)count * sizeof *kinds);
   if (!_ia_device_ready(device)) return;
   for (int p = 0; p < IA_POOL_COUNT; p++) {
     ia_arena_t *a = ia_plugin_arena(device, p);
     if (!a) continue;
     ia_stats_t s;
     ia_arena_stats(a, &s);
-    _ia_stats_add(out, &s);
+    _ia_stats_add(&kinds[IA_KIND_ALL], &s);
+    if (count == IA_KIND_COUNT && p != IA_POOL_WORKSPACE)
+      _ia_stats_add(&kinds[p == IA_POOL_SMALL ? IA_KIND_SMALL : IA_KIND_LARGE], &s);
   }
-  _ia_graph_add_stats(device, -1, out);
+  _ia_graph_add_stats(device, kinds, count);
+  ia_stats_t *all = &kinds[IA_KIND_ALL];
   ia_totals_t *t = &_ia_plugin.devices[device].totals;
   pthread_mutex_lock(&t->lock);
-  exact(&out->in_use, &t->in_use);
-  exact(&out->requested, &t->requested);
-  exact(&out->blocks, &t->blocks);
-  exact(&out->capacity, &t->capacity);
-  exact(&out->regions, &t->regions);
+  exact(&all->in_use, &t->in_use);
+  exact(&all->requested, &t->requested);
+  exact(&all->blocks, &t->blocks);
+  exact(&all->capacity, &t->capacity);
+  exact(&all->regions, &t->regions);
   pthread_mutex_unlock(&t->lock);
-  out->active = out->blocks; /* no arena holds a freed block back (arena.h) */
-  out->active_bytes = out->in_use;
-  out->fragmentation = out->free_bytes ? 1.0 - (double)out->largest_free / (double)out->free_bytes : 0.0;
+  all->active = all->blocks; /* no arena holds a freed block back (arena.h) */
+  all->active_bytes = all->in_use;
+  all->fragmentation = all->free_bytes ? 1.0 - (double)all->largest_free / (double)all->free_bytes : 0.0;
 }
+
+void ia_plugin_device_stats(int device, ia_stats_t *out) { sum_device(device, out, 1); }
 
 ia_device_totals_t ia_plugin_device_totals(int device) {
   ia_stats_t s;
@@ -342,25 +351,17 @@ ia_device_totals_t ia_plugin_device_totals(int device) {
 
 /* The one place the arena's quantities become PyTorch's families (IA_STAT_QUADS names each pair). */
 void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
-  ia_stats_t all, small, large;
-  memset(&small, 0, sizeof small);
-  memset(&large, 0, sizeof large);
-  ia_plugin_device_stats(device, &all);
-  if (ia_plugin_arena(device, IA_POOL_SMALL)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_SMALL), &small);
-  if (ia_plugin_arena(device, IA_POOL_LARGE)) ia_arena_stats(ia_plugin_arena(device, IA_POOL_LARGE), &large);
-  /* As PyTorch counts a private pool's blocks in its small or large pool's statistics. */
-  _ia_graph_add_stats(device, GRAPH_SMALL, &small);
-  _ia_graph_add_stats(device, GRAPH_LARGE, &large);
+  ia_stats_t kinds[IA_KIND_COUNT];
+  sum_device(device, kinds, IA_KIND_COUNT);
 #define FILL(name, torch, doc)                                                                      \
-  out->torch[IA_KIND_ALL] = all.name;                                                               \
-  out->torch[IA_KIND_SMALL] = small.name;                                                           \
-  out->torch[IA_KIND_LARGE] = large.name;
+  for (int k = 0; k < IA_KIND_COUNT; k++) out->torch[k] = kinds[k].name;
   IA_STAT_QUADS(FILL)
 #undef FILL
-  out->num_alloc_retries = (int64_t)(all.retries + ia_plugin_retries());
+  const ia_stats_t *all = &kinds[IA_KIND_ALL];
+  out->num_alloc_retries = (int64_t)(all->retries + ia_plugin_retries());
   out->num_ooms = (int64_t)ia_plugin_ooms();
-  out->num_device_alloc = (int64_t)all.backend_reserves;
-  out->num_device_free = (int64_t)all.backend_releases;
+  out->num_device_alloc = (int64_t)all->backend_reserves;
+  out->num_device_free = (int64_t)all->backend_releases;
   if (!_ia_device_ready(device)) return;
   pthread_mutex_lock(&_ia_plugin.lock);
   const ia_torch_stats_t *base = &_ia_plugin.devices[device].accumulated_base;
