@@ -3,6 +3,8 @@
 ia_plugin_trace_sink), and the accumulated counters PyTorch resets. Each test runs in a fresh
 interpreter, since the plugin is configured once per process."""
 
+import pytest
+
 from tests.support import run_python
 
 PRELUDE = """
@@ -148,4 +150,72 @@ events = ffi.new("ia_trace_event_t[]", 1000)
 n = lib.ia_trace_read(ring, events, 1000, ffi.NULL)
 allocs = [(x.action, x.address, x.pool) for x in events[0:n] if x.action != lib.IA_TRACE_RESERVE]
 assert allocs == [(lib.IA_TRACE_ALLOC, e, lib.IA_POOL_SMALL)], allocs   # not the graph pool's
+""")
+
+
+def test_pytorchs_kinds_add_up_to_the_device_for_any_eager_workspace_and_graph_allocations():
+    pytest.importorskip("hypothesis")
+    # memory_stats()'s "all" figures are the device totals, kept apart from the arenas' own
+    # counters; its small_pool and large_pool sum the general pools with the graph pools' arenas
+    # of their kind. Whatever is live, all = small + large + the workspace arena, small and large
+    # count the live blocks by PyTorch's size rule, and all's peak is the highest the device's
+    # current reached (the arenas' peaks, reached at other times, sum to more).
+    run("""
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+EXACT = [("allocation", "blocks"), ("allocated_bytes", "in_use"), ("requested_bytes", "requested"),
+         ("reserved_bytes", "capacity"), ("segment", "regions")]
+size = st.one_of(st.integers(1, MiB - 4096), st.integers(MiB + 1, 6 * MiB))
+op = st.tuples(st.sampled_from(["eager", "eager", "workspace", "graph", "free", "free"]), size,
+               st.integers(0, 63))
+counter = iter(range(100, 10**6))
+highest = {}  # torch family -> the highest "all" current seen after any operation
+
+def check(live):
+    s = ffi.new("ia_torch_stats_t *")
+    lib.ia_plugin_torch_stats(0, s)
+    ws = ffi.new("ia_stats_t *")
+    arena = lib.ia_plugin_arena(0, lib.IA_POOL_WORKSPACE)
+    if arena != ffi.NULL:
+        lib.ia_arena_stats(arena, ws)
+    for torch, own in EXACT:
+        kinds = getattr(s, torch)
+        assert kinds[0].current == kinds[1].current + kinds[2].current + getattr(ws, own).current, torch
+        if torch in ("allocation", "allocated_bytes", "requested_bytes"):  # peaks reached at an operation's end
+            highest[torch] = max(highest.get(torch, 0), kinds[0].current)
+            assert kinds[0].peak == highest[torch], torch
+    counted = [n for where, n in live.values() if where != "workspace"]
+    small = sum(n <= MiB for n in counted)
+    assert (s.allocation[1].current, s.allocation[2].current) == (small, len(counted) - small)
+    assert s.allocated_bytes[0].current >= s.requested_bytes[0].current == sum(n for _, n in live.values())
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(op, max_size=60))
+def program(ops):
+    p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, next(counter)
+    assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+    live = {}
+    for where, n, pick in ops:
+        if where == "free":
+            if live:
+                address = sorted(live)[pick % len(live)]
+                lib.ia_torch_free(ffi.cast("void *", address))
+                del live[address]
+        else:
+            if where == "workspace":
+                lib.ia_workspace_enter()
+            live[alloc(n, 2, p) if where == "graph" else alloc(n)] = (where, n)
+            if where == "workspace":
+                lib.ia_workspace_exit()
+        check(live)
+    assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+    check(live)
+    for address in list(live):
+        lib.ia_torch_free(ffi.cast("void *", address))
+        del live[address]
+        check(live)
+    assert lib.ia_graph_release(0, p[0]) == lib.IA_OK
+    check(live)
+
+program()
 """)
