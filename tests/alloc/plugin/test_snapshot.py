@@ -163,7 +163,8 @@ def test_pytorchs_kinds_add_up_to_the_device_for_any_eager_workspace_and_graph_a
     run("""
 from hypothesis import given, settings, strategies as st, HealthCheck
 
-EXACT = [("allocation", "blocks"), ("allocated_bytes", "in_use"), ("requested_bytes", "requested"),
+# PyTorch's family and the arena's name of each quantity the device totals keep
+TOTALS = [("allocation", "blocks"), ("allocated_bytes", "in_use"), ("requested_bytes", "requested"),
          ("reserved_bytes", "capacity"), ("segment", "regions")]
 size = st.one_of(st.integers(1, MiB - 4096), st.integers(MiB + 1, 6 * MiB))
 op = st.tuples(st.sampled_from(["eager", "eager", "workspace", "graph", "free", "free"]), size,
@@ -178,7 +179,7 @@ def check(live):
     arena = lib.ia_plugin_arena(0, lib.IA_POOL_WORKSPACE)
     if arena != ffi.NULL:
         lib.ia_arena_stats(arena, ws)
-    for torch, own in EXACT:
+    for torch, own in TOTALS:
         kinds = getattr(s, torch)
         assert kinds[0].current == kinds[1].current + kinds[2].current + getattr(ws, own).current, torch
         if torch in ("allocation", "allocated_bytes", "requested_bytes"):  # peaks reached at an operation's end
