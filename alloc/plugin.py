@@ -252,7 +252,7 @@ def release(device: int) -> None:
 
 def workspace_reserved(device: int) -> bool:
     """Whether the device's workspace arena is reserved now."""
-    return lib.ia_plugin_arena(int(device), POOLS.index("workspace")) != ffi.NULL
+    return bool(lib.ia_plugin_workspace_reserved(int(device)))
 
 
 def _reserve_arena(device: int) -> None:
@@ -391,7 +391,9 @@ def in_workspace() -> bool:
 
 
 def device_arena(device: int, pool: str) -> Arena | None:
-    """A read-only view of one of the device's arenas (None before the device's first use)."""
+    """A read-only view of one of the device's arenas (None before the pool's first use). The view
+    stays valid for the life of the process: a released workspace arena shows that it holds
+    nothing until it is reserved again (Note [Device lifetime], csrc/plugin.h)."""
     handle = lib.ia_plugin_arena(device, POOLS.index(pool))
     if handle == ffi.NULL:
         return None

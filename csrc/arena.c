@@ -168,10 +168,6 @@ ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backen
       ia_arena_destroy(a);
       return st;
     }
-    if (!opts->growable) {
-      a->fixed_lo = a->regions->base;
-      a->fixed_hi = a->regions->base + a->regions->size;
-    }
   }
   *out = a;
   return IA_OK;
@@ -252,7 +248,9 @@ static ia_status_t alloc(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t
   _ia_arena_lock(a);
   ia_status_t st = IA_ERR_OUT_OF_MEMORY;
   block_t *b = NULL;
-  if (reserve <= IA_MAX_REQUEST) {
+  /* A fixed arena asleep reserves its capacity again before it serves (ia_arena_sleep). */
+  if (reserve <= IA_MAX_REQUEST && (!grow || (st = _ia_wake(a)) == IA_OK)) {
+    st = IA_ERR_OUT_OF_MEMORY;
     size_t rsize = _ia_align_up(reserve, a->opts.alignment);
     b = _ia_find_free(a, rsize);
     if (!b && grow && a->opts.growable) {

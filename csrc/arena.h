@@ -278,6 +278,13 @@ ia_status_t ia_arena_record_stream(ia_arena_t *arena, void *ptr, ia_stream_t str
  * the whole pages inside free blocks once no stream work can still touch them (waiting for it where
  * the backend can wait); nothing while a stream of the device captures. Returns the bytes. */
 uint64_t ia_arena_release_cached(ia_arena_t *arena);
+/* Fixed mode, an engine's sleep: gives the arena's reservation back while none of its blocks is
+ * live and no stream of its device captures (IA_ERR_INVALID_ARGUMENT otherwise, and for a growable
+ * arena). The arena stays valid, its statistics and history with it; ia_arena_wake, or the next
+ * allocation that may grow, reserves the capacity again. */
+ia_status_t ia_arena_sleep(ia_arena_t *arena);
+ia_status_t ia_arena_wake(ia_arena_t *arena);
+bool ia_arena_asleep(ia_arena_t *arena);
 
 bool ia_arena_owns(ia_arena_t *arena, const void *ptr);
 void ia_arena_stats(ia_arena_t *arena, ia_stats_t *out);
@@ -386,10 +393,14 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config);
 /* Creates the device's arenas now (they are otherwise created at its first allocation). */
 ia_status_t ia_plugin_reserve(int device);
 const char *ia_plugin_failure(void);
-/* Gives the device's workspace arena back (it is made again at the next reservation); refused
- * (IA_ERR_INVALID_ARGUMENT, ia_plugin_failure says why) while any of its blocks is live. */
+/* Gives the device's workspace arena's memory back (the arena sleeps, and takes its budget again at
+ * the next reservation or workspace); refused (IA_ERR_INVALID_ARGUMENT, ia_plugin_failure says why)
+ * while any of its blocks is live or a stream of the device captures. */
 ia_status_t ia_plugin_release(int device);
-ia_arena_t *ia_plugin_arena(int device, int pool); /* NULL until the device has its arenas */
+/* NULL until the device has the pool's arena; once made it stays (a released workspace arena holds
+ * nothing until it is reserved again). */
+ia_arena_t *ia_plugin_arena(int device, int pool);
+bool ia_plugin_workspace_reserved(int device); /* the workspace arena holds its budget now */
 bool ia_plugin_device_unified(int device);
 /* Whether the device's general pools map pages of one address range (false before its first use). */
 bool ia_plugin_device_expandable(int device);

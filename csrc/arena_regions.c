@@ -134,3 +134,42 @@ ia_status_t _ia_grow(ia_arena_t *a, size_t size) {
   }
   return st;
 }
+
+/* Sleep: the one reservation of a fixed arena goes back while nothing in it is live, and the arena
+ * stays, with its statistics and history (Note [Device lifetime], plugin.h). In use or while a
+ * stream of the device captures, nothing changes and the answer is IA_ERR_INVALID_ARGUMENT. */
+ia_status_t ia_arena_sleep(ia_arena_t *a) {
+  if (a->opts.growable) return IA_ERR_INVALID_ARGUMENT;
+  _ia_arena_lock(a);
+  ia_status_t st = a->stats.in_use.current || _ia_capturing(a) ? IA_ERR_INVALID_ARGUMENT : IA_OK;
+  region_t *r = a->regions;
+  if (st == IA_OK && r) {
+    block_t *b = r->first; /* nothing live: frees merge at once, so one free block is the region */
+    ia_assert(b->is_free && b->size == r->size && !r->next);
+    _ia_bin_remove(a, b);
+    _ia_block_delete(a, b);
+    _ia_region_drop(a, r);
+  }
+  IA_DEBUG_CHECK(a);
+  _ia_arena_unlock(a);
+  return st;
+}
+
+ia_status_t _ia_wake(ia_arena_t *a) {
+  if (a->opts.growable || a->regions) return IA_OK;
+  return _ia_region_add(a, _ia_align_up(a->opts.capacity, a->opts.alignment));
+}
+
+ia_status_t ia_arena_wake(ia_arena_t *a) {
+  _ia_arena_lock(a);
+  ia_status_t st = _ia_wake(a);
+  _ia_arena_unlock(a);
+  return st;
+}
+
+bool ia_arena_asleep(ia_arena_t *a) {
+  _ia_arena_lock(a);
+  bool asleep = !a->opts.growable && !a->regions;
+  _ia_arena_unlock(a);
+  return asleep;
+}

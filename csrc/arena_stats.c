@@ -87,7 +87,6 @@ void _ia_arena_set_region_hook(ia_arena_t *a, _ia_region_hook_t hook, void *ctx)
 
 bool ia_arena_owns(ia_arena_t *a, const void *ptr) {
   uintptr_t p = (uintptr_t)ptr;
-  if (a->fixed_hi) return p >= a->fixed_lo && p < a->fixed_hi;
   _ia_arena_lock(a);
   bool owned = _ia_region_of(a, p) != NULL;
   _ia_arena_unlock(a);

@@ -55,6 +55,9 @@ struct graph_pool {
 static struct device_graphs {
   pthread_mutex_t lock;
   graph_pool_t *pools;
+  /* What the small and large arenas of pools that went left behind: their sums, peaks and
+   * counters, nothing current (Note [Device lifetime], plugin.h). */
+  ia_stats_t retired[GRAPH_KINDS];
 } graphs[IA_MAX_DEVICES] = {[0 ... IA_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
 
 static struct device_graphs *graphs_of(int device) {
@@ -104,6 +107,16 @@ static void drop_keeps(graph_pool_t *p) {
   p->n_keeps = p->cap_keeps = 0;
 }
 
+/* An arena of a pool that goes keeps its history in the device's statistics. A carve-out's bytes
+ * are the workspace arena's, which keeps them. Under the device lock. */
+static void retire(struct device_graphs *g, int kind, ia_arena_t *a) {
+  if (kind == GRAPH_WORKSPACE) return;
+  ia_stats_t s;
+  ia_arena_stats(a, &s);
+  ia_assert(!s.capacity.current && !s.in_use.current); /* it holds nothing: its gauges are all 0 */
+  _ia_stats_add(&g->retired[kind], &s);
+}
+
 /* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock.
  * Returns whether it dropped keeps, which may let other pools go too. */
 static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
@@ -116,7 +129,10 @@ static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
   graph_pool_t **link = &g->pools;
   while (*link != p) link = &(*link)->next;
   *link = p->next;
-  FOR_EACH_ARENA(p, k, a) ia_arena_destroy(a);
+  FOR_EACH_ARENA(p, k, a) {
+    retire(g, k, a);
+    ia_arena_destroy(a);
+  }
   if (p->allocator.drop) p->allocator.drop(p->allocator.ctx);
   free(p->streams);
   free(p);
@@ -498,23 +514,36 @@ static void flush_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
 
 void _ia_graph_pools_flush_events(int device) { _ia_graph_each_arena(device, flush_one, NULL); }
 
-typedef struct {
-  ia_stats_t *kinds;
-  int count;
-} adding_t;
-
-static void add_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
-  (void)id;
-  adding_t *adding = ctx;
-  if (kind == GRAPH_WORKSPACE) return; /* its bytes are the workspace arena's */
-  ia_stats_t s;
-  ia_arena_stats(arena, &s);
-  _ia_stats_add(&adding->kinds[IA_KIND_ALL], &s);
-  if (adding->count == IA_KIND_COUNT)
-    _ia_stats_add(&adding->kinds[kind == GRAPH_SMALL ? IA_KIND_SMALL : IA_KIND_LARGE], &s);
+/* Adds what an arena of a graph pool of `kind` counts to the device's kinds, as sum_device
+ * (plugin.c) does for the general pools. */
+static void add_kind(ia_stats_t *kinds, int count, int kind, const ia_stats_t *s) {
+  _ia_stats_add(&kinds[IA_KIND_ALL], s);
+  if (count == IA_KIND_COUNT) _ia_stats_add(&kinds[kind == GRAPH_SMALL ? IA_KIND_SMALL : IA_KIND_LARGE], s);
 }
 
 void _ia_graph_add_stats(int device, ia_stats_t *kinds, int count) {
-  adding_t adding = {kinds, count};
-  _ia_graph_each_arena(device, add_one, &adding);
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return;
+  pthread_mutex_lock(&g->lock);
+  for (int k = GRAPH_SMALL; k <= GRAPH_LARGE; k++) add_kind(kinds, count, k, &g->retired[k]);
+  for (graph_pool_t *p = g->pools; p; p = p->next) FOR_EACH_ARENA(p, k, a) {
+    if (k == GRAPH_WORKSPACE) continue; /* its bytes are the workspace arena's */
+    ia_stats_t s;
+    ia_arena_stats(a, &s);
+    add_kind(kinds, count, k, &s);
+  }
+  pthread_mutex_unlock(&g->lock);
+}
+
+void _ia_graph_reset_peaks(int device) {
+  struct device_graphs *g = graphs_of(device);
+  if (!g) return;
+  pthread_mutex_lock(&g->lock);
+  for (int k = 0; k < GRAPH_KINDS; k++) {
+#define RESET(name, torch, doc) g->retired[k].name.peak = 0; /* nothing of them is current */
+    IA_STAT_QUADS(RESET)
+#undef RESET
+  }
+  for (graph_pool_t *p = g->pools; p; p = p->next) FOR_EACH_ARENA(p, k, a) ia_arena_reset_peaks(a);
+  pthread_mutex_unlock(&g->lock);
 }

@@ -242,6 +242,8 @@ void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int
 /* Adds the graph pools' arenas as sum_device (plugin.c) does: kinds[IA_KIND_ALL], and the small or
  * large one when count is IA_KIND_COUNT. */
 void _ia_graph_add_stats(int device, ia_stats_t *kinds, int count);
+/* reset_peak_memory_stats() for the graph pools: their arenas' and the retired record's peaks. */
+void _ia_graph_reset_peaks(int device);
 /* Backends whose reservations are blocks of `parent` taken on `stream`, or come from a MemPool's
  * allocator; events come from `events`, which each owns. */
 ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int device, ia_stream_t stream,
@@ -348,7 +350,6 @@ struct ia_arena {
   /* Set at creation, or when the arena joins a device's group, before other threads see it. */
   ia_arena_options_t opts;
   ia_backend_t *backend;
-  uintptr_t fixed_lo, fixed_hi; /* fixed arenas: the one region, readable without the lock */
   ia_totals_t *totals;
   const _Atomic int *captures; /* the device's capture count, when it has one */
   _ia_region_hook_t on_region;
@@ -421,6 +422,8 @@ void _ia_region_drop(ia_arena_t *a, _ia_region_t *r);
 bool _ia_over_limit(const ia_arena_t *a, size_t want);
 ia_status_t _ia_grow(ia_arena_t *a, size_t size);
 uint64_t _ia_release_free_regions(ia_arena_t *a);
+/* A fixed arena asleep (ia_arena_sleep) reserves its capacity again; IA_OK for any other arena. */
+ia_status_t _ia_wake(ia_arena_t *a);
 /* arena_blocks.c */
 _ia_block_t *_ia_block_new(ia_arena_t *a);
 void _ia_block_delete(ia_arena_t *a, _ia_block_t *b);

@@ -225,7 +225,13 @@ ia_status_t _ia_ensure_workspace(_ia_device_slot_t *slot, int device) {
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&_ia_plugin.lock);
   if (!atomic_load(&slot->workspace_ready)) {
-    st = make_arena(device, slot->unified, IA_POOL_WORKSPACE, &slot->arenas[IA_POOL_WORKSPACE]);
+    /* Made once; after a release the same arena reserves its budget again (Note [Device lifetime]). */
+    if (atomic_load(&slot->workspace_made)) {
+      st = ia_arena_wake(slot->arenas[IA_POOL_WORKSPACE]);
+    } else if ((st = make_arena(device, slot->unified, IA_POOL_WORKSPACE, &slot->arenas[IA_POOL_WORKSPACE])) ==
+               IA_OK) {
+      atomic_store_explicit(&slot->workspace_made, 1, memory_order_release);
+    }
     if (st == IA_OK) {
       atomic_store_explicit(&slot->workspace_ready, 1, memory_order_release);
     } else {
@@ -249,28 +255,29 @@ ia_status_t ia_plugin_reserve(int device) {
 
 const char *ia_plugin_failure(void) { return _ia_failure; }
 
-/* Sleep: the workspace arena goes back to the driver when none of its blocks is live (a workspace
- * tensor, a CUDA graph's carve-out, the workspace pool's segment), and comes back at the next
- * reservation. The caller keeps the device's workspaces idle meanwhile: a workspace allocation
- * racing this call is not guarded against (an engine asleep serves nothing). */
+/* Sleep: the workspace arena's reservation goes back to the driver when none of its blocks is live
+ * (a workspace tensor, a CUDA graph's carve-out, the workspace pool's segment) and no stream of the
+ * device captures, and comes back at the next reservation or workspace. The arena itself stays
+ * (Note [Device lifetime], plugin.h): readers on other threads keep reading it, and its counters
+ * keep their history. */
 ia_status_t ia_plugin_release(int device) {
   if (!_ia_device_ready(device)) return IA_OK;
   _ia_device_slot_t *slot = &_ia_plugin.devices[device];
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&_ia_plugin.lock);
-  ia_arena_t *arena = atomic_load(&slot->workspace_ready) ? slot->arenas[IA_POOL_WORKSPACE] : NULL;
-  ia_stats_t s;
-  if (arena) ia_arena_stats(arena, &s);
-  if (arena && s.in_use.current) {
+  ia_arena_t *arena = ia_plugin_arena(device, IA_POOL_WORKSPACE);
+  if (arena && (st = ia_arena_sleep(arena)) != IA_OK) {
+    ia_stats_t s;
     char live[32];
-    snprintf(_ia_failure, sizeof _ia_failure, "%s of its workspace arena are live (%llu blocks)",
-             _ia_format_bytes(s.in_use.current, live, sizeof live), (unsigned long long)s.blocks.current);
-    st = IA_ERR_INVALID_ARGUMENT;
+    ia_arena_stats(arena, &s);
+    if (s.in_use.current)
+      snprintf(_ia_failure, sizeof _ia_failure, "%s of its workspace arena are live (%llu blocks)",
+               _ia_format_bytes(s.in_use.current, live, sizeof live), (unsigned long long)s.blocks.current);
+    else
+      snprintf(_ia_failure, sizeof _ia_failure, "a CUDA graph is being captured on it; release after the capture ends");
   } else if (arena) {
     atomic_store_explicit(&slot->workspace_ready, 0, memory_order_release);
-    slot->arenas[IA_POOL_WORKSPACE] = NULL;
     atomic_store(&slot->pool_stream, IA_STREAM_NONE);
-    ia_arena_destroy(arena);
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
@@ -284,8 +291,13 @@ bool _ia_device_ready(int device) {
 ia_arena_t *ia_plugin_arena(int device, int pool) {
   if (!_ia_device_ready(device) || pool < 0 || pool >= IA_POOL_COUNT) return NULL;
   _ia_device_slot_t *slot = &_ia_plugin.devices[device];
-  if (pool == IA_POOL_WORKSPACE && !atomic_load_explicit(&slot->workspace_ready, memory_order_acquire)) return NULL;
+  if (pool == IA_POOL_WORKSPACE && !atomic_load_explicit(&slot->workspace_made, memory_order_acquire)) return NULL;
   return slot->arenas[pool];
+}
+
+bool ia_plugin_workspace_reserved(int device) {
+  ia_arena_t *a = ia_plugin_arena(device, IA_POOL_WORKSPACE);
+  return a && !ia_arena_asleep(a);
 }
 
 bool ia_plugin_device_unified(int device) { return _ia_device_ready(device) && _ia_plugin.devices[device].unified; }
@@ -393,8 +405,11 @@ void ia_plugin_reset_accumulated(int device) {
 
 void ia_plugin_reset_peaks(int device) {
   if (!_ia_device_ready(device)) return;
-  for (int p = 0; p < IA_POOL_COUNT; p++)
-    if (ia_plugin_arena(device, p)) ia_arena_reset_peaks(_ia_plugin.devices[device].arenas[p]);
+  for (int p = 0; p < IA_POOL_COUNT; p++) {
+    ia_arena_t *a = ia_plugin_arena(device, p);
+    if (a) ia_arena_reset_peaks(a);
+  }
+  _ia_graph_reset_peaks(device);
   _ia_totals_reset_peaks(&_ia_plugin.devices[device].totals);
 }
 
@@ -420,8 +435,7 @@ static void trace_every_arena(void) {
   for (int d = 0; d < IA_MAX_DEVICES; d++) {
     if (atomic_load(&_ia_plugin.devices[d].ready) != 1) continue;
     for (int p = 0; p < IA_POOL_COUNT; p++)
-      if (ia_plugin_arena(d, p))
-        ia_arena_set_trace(_ia_plugin.devices[d].arenas[p], recording(_ia_plugin.trace), d, (uint8_t)p);
+      if (ia_plugin_arena(d, p)) ia_arena_set_trace(ia_plugin_arena(d, p), recording(_ia_plugin.trace), d, (uint8_t)p);
     trace_target_t target = {recording(_ia_plugin.graph_trace), d};
     _ia_graph_each_arena(d, trace_graph_arena, &target);
   }
@@ -515,7 +529,7 @@ ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, con
 void _ia_plugin_flush_events(int device) {
   if (!_ia_device_ready(device)) return;
   for (int p = 0; p < IA_POOL_COUNT; p++)
-    if (ia_plugin_arena(device, p)) _ia_arena_flush_events(_ia_plugin.devices[device].arenas[p]);
+    if (ia_plugin_arena(device, p)) _ia_arena_flush_events(ia_plugin_arena(device, p));
   _ia_graph_pools_flush_events(device);
 }
 

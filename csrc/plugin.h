@@ -6,13 +6,34 @@
 
 #include "internal.h"
 
-/* ready and workspace_ready publish what is set before them (the arenas, unified, expandable,
- * owner): stored under the plugin's lock with release (create_device's sequentially consistent
- * store is one) and read with acquire where no lock is taken (_ia_device_slot, _ia_device_ready,
- * ia_plugin_arena), so that on Arm a thread that sees 1 also sees the arenas. */
+/* Note [Device lifetime]
+ * ~~~~~~~~~~~~~~~~~~~~~~
+ * Readers of a device's memory (torch.cuda.memory_stats(), the memory snapshot, reset_peak_*,
+ * the out-of-memory report, alloc.device_arena views) run on any thread, a serving engine's
+ * metrics thread among them, at any moment, sleep mode included. So:
+ *
+ *  1. A device's own arenas (workspace, small, large), once made, live as long as the process.
+ *     ia_plugin_release() puts the workspace arena to sleep (ia_arena_sleep: its reservation goes
+ *     back, the arena and its counters stay); the next reservation wakes the same arena. Nothing
+ *     ever frees or replaces them, so a pointer read from the slot stays valid without a lock,
+ *     and a Python view of one never goes stale: after a release it shows an arena that holds
+ *     nothing.
+ *  2. A graph pool's arenas are made and destroyed only under the device's graph lock (graphs.c),
+ *     and every reader walks them under that lock (_ia_graph_each_arena). Before a pool's arenas
+ *     are destroyed their history (sums, peaks, counters) is folded into the device's retired
+ *     record, which the device's statistics add: cumulative counters never run backwards.
+ *  3. ready and workspace_made publish what is set before them (the arenas, unified, expandable,
+ *     owner): stored under the plugin's lock with release (create_device's sequentially
+ *     consistent store is one) and read with acquire where no lock is taken (_ia_device_slot,
+ *     _ia_device_ready, ia_plugin_arena), so that on Arm a thread that sees 1 sees the arena too.
+ *
+ * Lock order, outermost first: the plugin's lock (configuration, device creation, sleep and
+ * wake), a device's graph lock, an arena's lock, then its device's totals lock or the trace's.
+ * The region registry's lock is taken under an arena's (its region hook) and takes none. */
 typedef struct {
   _Atomic int ready;           /* 0: not yet, 1: general arenas exist, -1: creation failed */
-  _Atomic int workspace_ready; /* 1: arenas[IA_POOL_WORKSPACE] exists */
+  _Atomic int workspace_made;  /* 1: arenas[IA_POOL_WORKSPACE] exists (and always will) */
+  _Atomic int workspace_ready; /* 1: it holds its reservation (0 after ia_plugin_release) */
   ia_arena_t *arenas[IA_POOL_COUNT];
   ia_totals_t totals;
   bool unified;

@@ -132,7 +132,7 @@ ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access) {
 void ia_torch_empty_cache(void) {
   for (int d = 0; d < IA_MAX_DEVICES; d++)
     for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++)
-      if (ia_plugin_arena(d, p)) ia_arena_release_cached(_ia_plugin.devices[d].arenas[p]);
+      if (ia_plugin_arena(d, p)) ia_arena_release_cached(ia_plugin_arena(d, p));
 }
 
 static const ia_torch_entry_points_t entry_points = {

@@ -124,8 +124,9 @@ __attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size,
              "call torch.cuda.empty_cache(), or lower budget_mb in INDEXER_ARENA_CONF to leave the "
              "device more room.%s",
              opening, req, size, device, ia_plugin_pool_name(pool), state,
-             ia_plugin_arena(device, IA_POOL_WORKSPACE) ? _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget)
-                                                        : "nothing (not reserved yet)",
+             atomic_load(&_ia_plugin.devices[device].workspace_ready)
+                 ? _ia_format_bytes(_ia_plugin.config.budget, budget, sizeof budget)
+                 : "nothing (not reserved now)",
              _ia_format_bytes(graph_pools_held(device, NULL), graphs, sizeof graphs), why, hint);
   }
   _ia_raise_oom(message);
@@ -241,7 +242,7 @@ bool ia_plugin_write_report(const char *path) {
     const char *sep = "";
     for (int p = 0; p < IA_POOL_COUNT; p++)
       if (ia_plugin_arena(d, p)) {
-        write_pool(f, sep, ia_plugin_pool_name(p), slot->arenas[p]);
+        write_pool(f, sep, ia_plugin_pool_name(p), ia_plugin_arena(d, p));
         sep = ", ";
       }
     report_t r = {f, sep};

@@ -127,6 +127,27 @@ def test_c_threads_allocate_eagerly_while_graphs_are_captured(tmp_path, flags):
     assert "refused" not in done.stderr, done.stderr  # every free found its arena in the registry
 
 
+@pytest.mark.parametrize("flags, rounds", [((), 400),
+                                           (("-O1", "-g", "-fsanitize=address,undefined",
+                                             "-fno-sanitize-recover=undefined"), 300),
+                                           (("-fsanitize=thread", "-g"), 100)],
+                         ids=["plain", "address-sanitizer", "thread-sanitizer"])
+def test_statistics_readers_race_sleep_and_graph_pools_without_harm(tmp_path, flags, rounds):
+    """tests/support/stress/readers_stress.c (issue 47): a metrics thread's reads of the device's
+    statistics, peak resets and snapshot walks race the workspace arena's release and reserve,
+    graph pools that come and go, and eager threads growing and unmapping the mapped pools. No read
+    of freed memory (it was a use after free, and a NULL read in the reset and the walk), no
+    cumulative counter going down (they were summed over the arenas alive), every segment tiled by
+    its blocks (the walk listed regions and blocks in two lock holds), canaries whole."""
+    exe, built = build_harness(tmp_path, flags, harness="readers_stress")
+    if built.returncode != 0 and any("sanitize" in f for f in flags):
+        pytest.skip(f"this toolchain cannot build with {flags}: {built.stderr[-300:]}")
+    assert built.returncode == 0, built.stderr
+    done = subprocess.run([str(exe), str(rounds)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr[-3000:]
+    assert "ThreadSanitizer" not in done.stderr, done.stderr[-3000:]
+
+
 def run_seeds_sanitized(tmp_path, harness, seeds, steps):
     """Builds `harness` under AddressSanitizer and UBSan and runs `harness SEED STEPS` for each
     seed, each of which must print "ok"; the seeds are fixed, so a failure replays."""

@@ -220,3 +220,117 @@ def program(ops):
 
 program()
 """)
+
+
+def test_cumulative_counters_keep_the_history_of_released_arenas_and_never_run_backwards():
+    # Issue 47: PyTorch's allocated/freed sums and device alloc/free counts only grow until
+    # reset_accumulated_memory_stats(). They were summed over the arenas alive at the time, so a
+    # workspace release or a graph pool's release took their history away (and made them negative
+    # after a reset). Over random sequences of every operation that makes or ends an arena: no
+    # cumulative figure goes down, allocated - freed is the current value (less what was current at
+    # the last reset) for every family and kind, and each release of a reserved workspace arena is
+    # one device free.
+    run("""
+from hypothesis import given, settings, strategies as st, HealthCheck
+
+FAMILIES = ["allocation", "allocated_bytes", "requested_bytes", "reserved_bytes", "segment"]
+op = st.tuples(st.sampled_from(["eager", "workspace", "graph", "free", "free", "release", "reserve",
+                                "reset_accumulated", "reset_peaks"]),
+               st.one_of(st.integers(1, MiB), st.integers(MiB + 1, 6 * MiB)), st.integers(0, 63))
+counter = iter(range(100, 10**6))
+
+def torch_stats():
+    s = ffi.new("ia_torch_stats_t *")
+    lib.ia_plugin_torch_stats(0, s)
+    return s
+
+def figures(s):
+    out = {}
+    for f in FAMILIES:
+        for k in range(3):
+            q = getattr(s, f)[k]
+            out[f, k] = (q.current, q.allocated, q.freed)
+    return out
+
+@settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(op, max_size=40))
+def program(ops):
+    lib.ia_plugin_reset_accumulated(0)
+    base = {key: current for key, (current, _, _) in figures(torch_stats()).items()}
+    last = torch_stats()
+    live, pools = {}, []
+    for what, n, pick in ops:
+        reserved = lib.ia_plugin_workspace_reserved(0)
+        if what == "free" and live:
+            address = sorted(live)[pick % len(live)]
+            lib.ia_torch_free(ffi.cast("void *", address))
+            del live[address]
+        elif what == "release":
+            released = lib.ia_plugin_release(0) == lib.IA_OK
+            assert released == (not any(w == "workspace" for w in live.values()))
+            while pools:  # the graph pools go too, each with its arenas
+                assert lib.ia_graph_release(0, pools.pop()[0]) == lib.IA_OK
+        elif what == "reserve":
+            assert lib.ia_plugin_reserve(0) == lib.IA_OK
+        elif what == "reset_accumulated":
+            lib.ia_plugin_reset_accumulated(0)
+            base = {key: current for key, (current, _, _) in figures(torch_stats()).items()}
+            last = torch_stats()
+        elif what == "reset_peaks":
+            lib.ia_plugin_reset_peaks(0)
+        elif what == "graph":
+            p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, next(counter)
+            assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+            live[alloc(n, 2, p)] = what
+            assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+            pools.append(p)
+        elif what in ("eager", "workspace") and not (what == "workspace" and n > 8 * MiB):
+            if what == "workspace":
+                lib.ia_workspace_enter()
+            live[alloc(n)] = what
+            if what == "workspace":
+                lib.ia_workspace_exit()
+        now = torch_stats()
+        for key, (current, allocated, freed) in figures(now).items():
+            _, was_allocated, was_freed = figures(last)[key]
+            assert allocated >= was_allocated and freed >= was_freed, (what, key)
+            assert allocated - freed == current - base[key], (what, key, allocated, freed, current, base[key])
+        for counter_name in ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_ooms"):
+            assert getattr(now, counter_name) >= max(0, getattr(last, counter_name)), (what, counter_name)
+        if what == "release" and reserved and released:
+            # every region given back is one device free, the workspace arena's among them
+            assert now.num_device_free - last.num_device_free == now.segment[0].freed - last.segment[0].freed >= 1
+            assert now.reserved_bytes[0].freed - last.reserved_bytes[0].freed >= 64 * MiB
+        last = now
+    for address in list(live):
+        lib.ia_torch_free(ffi.cast("void *", address))
+    while pools:
+        assert lib.ia_graph_release(0, pools.pop()[0]) == lib.IA_OK
+
+program()
+""")
+
+
+def test_a_view_of_the_workspace_arena_taken_before_a_release_stays_valid():
+    # Issue 47: the view read freed memory after release() (its check() found a corrupt bitmap).
+    # The device's arenas live as long as the process (Note [Device lifetime], csrc/plugin.h): the
+    # view shows an arena that holds nothing until the next reservation, then the same arena again.
+    run("""
+import alloc.plugin as plugin
+assert lib.ia_plugin_reserve(0) == lib.IA_OK
+view = plugin.device_arena(0, "workspace")
+lib.ia_workspace_enter(); ws = alloc(3 * MiB); lib.ia_workspace_exit()
+lib.ia_torch_free(ffi.cast("void *", ws))
+before = view.stats()
+assert lib.ia_plugin_release(0) == lib.IA_OK and not plugin.workspace_reserved(0)
+view.check()
+after = view.stats()
+assert after["capacity"] == 0 and after["regions"] == 0 and view.blocks() == []
+assert after["in_use_allocated"] == before["in_use_allocated"] == after["in_use_freed"]
+assert after["capacity_freed"] == 64 * MiB and after["backend_releases"] == before["backend_releases"] + 1
+lib.ia_workspace_enter(); ws = alloc(MiB); lib.ia_workspace_exit()  # the next workspace wakes it
+assert plugin.workspace_reserved(0) and plugin.device_arena(0, "workspace")._arena == view._arena
+view.check()
+assert view.stats()["capacity"] == 64 * MiB and view.stats()["blocks"] == 1
+lib.ia_torch_free(ffi.cast("void *", ws))
+""")
