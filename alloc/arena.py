@@ -15,6 +15,11 @@ from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, 
 from .units import MAX_SIZE, U64_MAX, fmt_bytes
 
 
+#: Streams are handles from 0 to 2**64 - 2: all bits set is the core's "no stream" (IA_STREAM_NONE),
+#: which a block allocated or freed on it would carry as "ordered after nothing".
+MAX_STREAM = U64_MAX - 1
+
+
 def _checked(name: str, value, low: int, high: int) -> int:
     """An int argument, checked before it reaches C, where it would be wrapped to 64 bits."""
     if isinstance(value, bool) or not isinstance(value, int):
@@ -316,7 +321,7 @@ class Arena:
     def allocate(self, size: int, stream: int = 0) -> int:
         """Returns the address of a block of at least ``size`` bytes (0 for size 0)."""
         _checked("size", size, 0, U64_MAX)
-        _checked("stream", stream, 0, U64_MAX)
+        _checked("stream", stream, 0, MAX_STREAM)
         out = ffi.new("void **")
         with self._use() as h:
             status = lib.ia_arena_alloc(h, size, stream, out)
@@ -333,7 +338,7 @@ class Arena:
 
     def _on_block(self, op: str, fn, address: int, stream: int) -> None:
         _checked("address", address, 0, U64_MAX)
-        _checked("stream", stream, 0, U64_MAX)
+        _checked("stream", stream, 0, MAX_STREAM)
         with self._use() as h:
             status = fn(h, ffi.cast("void *", address), stream)
             if status != lib.IA_OK:

@@ -29,8 +29,8 @@ def read(meminfo: str | None = None, cgroup_root: str | None = None) -> HostMemo
             for name, p in (("meminfo", meminfo), ("cgroup_root", cgroup_root))]
     if lib.ia_host_memory_read(args[0], args[1], out) != lib.IA_OK:
         raise BackendError(ffi.string(lib.ia_guard_last_message()).decode())
-    limit = int(out.cgroup_limit) or None
-    return HostMemory(int(out.mem_available), limit, int(out.cgroup_usage) if limit else None,
+    limit = int(out.cgroup_limit) if out.cgroup_limited else None
+    return HostMemory(int(out.mem_available), limit, int(out.cgroup_usage) if limit is not None else None,
                       int(out.available))
 
 

@@ -233,13 +233,17 @@ ia_status_t ia_arena_alloc(ia_arena_t *a, size_t size, ia_stream_t stream, void 
   return _ia_arena_alloc_reserving(a, size, size, stream, out);
 }
 
+/* A block's stream IA_STREAM_NONE means "ordered after nothing" (a fresh region's), so no caller's
+ * block may carry it: the value is refused where a stream enters the arena. */
 ia_status_t _ia_arena_alloc_reserving(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t stream, void **out) {
   *out = NULL;
+  if (stream == IA_STREAM_NONE) return IA_ERR_INVALID_ARGUMENT;
   return size == 0 ? IA_OK : alloc(a, size, reserve > size ? reserve : size, stream, true, out);
 }
 
 ia_status_t ia_arena_alloc_cached(ia_arena_t *a, size_t size, ia_stream_t stream, void **out) {
   *out = NULL;
+  if (stream == IA_STREAM_NONE) return IA_ERR_INVALID_ARGUMENT;
   return size == 0 ? IA_OK : alloc(a, size, size, stream, false, out);
 }
 
@@ -279,7 +283,8 @@ static ia_status_t alloc(ia_arena_t *a, size_t size, size_t reserve, ia_stream_t
 
 ia_status_t ia_arena_alloc_at(ia_arena_t *a, void *at, size_t size, ia_stream_t stream) {
   uintptr_t addr = (uintptr_t)at;
-  if (size == 0 || size > IA_MAX_REQUEST || addr % a->opts.alignment) return IA_ERR_INVALID_ARGUMENT;
+  if (size == 0 || size > IA_MAX_REQUEST || addr % a->opts.alignment || stream == IA_STREAM_NONE)
+    return IA_ERR_INVALID_ARGUMENT;
   size_t rsize = _ia_align_up(size, a->opts.alignment);
   _ia_arena_lock(a);
   region_t *r = _ia_region_of(a, addr);

@@ -109,7 +109,8 @@ ia_status_t ia_vmm_backend_create(int device, const char *cudart_path, ia_backen
  * refused with IA_ERR_HOST_MEMORY_GUARD before the inner backend is asked. */
 typedef struct ia_host_memory {
   uint64_t mem_available; /* MemAvailable, bytes */
-  uint64_t cgroup_limit;  /* 0: no cgroup limit found */
+  bool cgroup_limited;     /* a cgroup limit was found (memory.max other than "max"; 0 is a limit) */
+  uint64_t cgroup_limit;  /* its bytes, when cgroup_limited */
   uint64_t cgroup_usage;
   uint64_t available;     /* what the guard counts on */
 } ia_host_memory_t;
@@ -263,7 +264,10 @@ void ia_arena_default_options(ia_arena_options_t *opts);
 ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backend, ia_arena_t **out);
 void ia_arena_destroy(ia_arena_t *arena);
 
-/* size 0 yields NULL and IA_OK. Never returns memory outside the arena's regions. */
+/* size 0 yields NULL and IA_OK. Never returns memory outside the arena's regions. A stream with all
+ * bits set (IA_STREAM_NONE, "no stream") is refused with IA_ERR_INVALID_ARGUMENT here, by
+ * ia_arena_alloc_cached, ia_arena_alloc_at and ia_arena_record_stream; ia_arena_free takes it to
+ * mean the block's own stream. */
 ia_status_t ia_arena_alloc(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);
 /* ia_arena_alloc from the free blocks the arena holds: it never grows. */
 ia_status_t ia_arena_alloc_cached(ia_arena_t *arena, size_t size, ia_stream_t stream, void **out);

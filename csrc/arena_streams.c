@@ -50,6 +50,7 @@ ia_status_t _ia_order_after(ia_arena_t *a, ia_stream_t waiter, ia_stream_t freed
 }
 
 ia_status_t ia_arena_record_stream(ia_arena_t *a, void *ptr, ia_stream_t stream) {
+  if (stream == IA_STREAM_NONE) return IA_ERR_INVALID_ARGUMENT; /* see _ia_arena_alloc_reserving */
   _ia_arena_lock(a);
   ia_status_t st = IA_OK;
   block_t *b = _ia_table_find(&a->table, (uintptr_t)ptr);

@@ -23,19 +23,20 @@ bool ia_memory_is_unified(const ia_memory_attributes_t *a) { return a->integrate
 
 const char *ia_guard_last_message(void) { return last_message; }
 
-/* One cgroup file such as memory.max: "max" (no limit, read as 0) or a decimal number of bytes,
+/* One cgroup file such as memory.max: "max" (no limit: *out is UINT64_MAX, which no number of
+ * bytes a cgroup can hold reaches; 0 is a limit like any other) or a decimal number of bytes,
  * each alone on its line. Anything else, a sign, a number past 64 bits, text after the
  * digits, is refused naming the file rather than read as whatever strtoull makes of it ("-5" was
  * 2**64 - 5, no limit). 1 read, 0 absent (the other layout may be there), -1 malformed. */
-static int read_limit_file(const char *path, uint64_t *out) {
+static int read_limit_file(const char *path, bool may_be_max, uint64_t *out) {
   FILE *f = fopen(path, "r");
   if (!f) return 0;
   char text[64] = {0};
   bool ok = fgets(text, sizeof text, f) != NULL;
   fclose(f);
   text[strcspn(text, "\r\n")] = '\0';
-  if (ok && strcmp(text, "max") == 0) {
-    *out = 0;
+  if (ok && may_be_max && strcmp(text, "max") == 0) {
+    *out = UINT64_MAX;
     return 1;
   }
   uint64_t v = 0;
@@ -45,18 +46,19 @@ static int read_limit_file(const char *path, uint64_t *out) {
     ok = v <= (UINT64_MAX - digit) / 10;
     v = v * 10 + digit;
   }
-  if (!ok || p == text || *p != '\0') {
+  if (!ok || p == text || *p != '\0' || v == UINT64_MAX) {
     snprintf(last_message, sizeof last_message,
-             "%s: bad value '%.40s': a cgroup memory file must hold 'max' or a number of bytes "
-             "from 0 to 2**64 - 1", path, text);
+             "%s: bad value '%.40s': a cgroup memory file must hold %sa number of bytes "
+             "from 0 to 2**64 - 2", path, text, may_be_max ? "'max' or " : "");
     return -1;
   }
   *out = v;
   return 1;
 }
 
-/* 1 with the limit (0: none) and usage, 0 where no layout is there, -1 malformed. */
-static int read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
+/* 1 with the limit and usage (*limited false: no limit, "max"), 0 where no layout is there, -1
+ * malformed. */
+static int read_cgroup(const char *root, bool *limited, uint64_t *limit, uint64_t *usage) {
   static const char *const layouts[][2] = {
       {"memory.max", "memory.current"},                            /* v2 */
       {"memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"}, /* v1 */
@@ -65,13 +67,14 @@ static int read_cgroup(const char *root, uint64_t *limit, uint64_t *usage) {
   for (size_t i = 0; i < sizeof layouts / sizeof layouts[0]; i++) {
     snprintf(lpath, sizeof lpath, "%s/%s", root, layouts[i][0]);
     snprintf(upath, sizeof upath, "%s/%s", root, layouts[i][1]);
-    int found = read_limit_file(lpath, limit);
+    int found = read_limit_file(lpath, true, limit);
     if (found < 0) return -1;
     if (found) {
       /* cgroup v1 writes "no limit" as a page-rounded LONG_MAX */
-      if (*limit >= (1ull << 62)) *limit = 0;
+      *limited = *limit < (1ull << 62);
+      if (!*limited) *limit = 0;
       *usage = 0;
-      return *limit ? (read_limit_file(upath, usage) < 0 ? -1 : 1) : 1;
+      return *limited ? (read_limit_file(upath, false, usage) < 0 ? -1 : 1) : 1;
     }
   }
   return 0;
@@ -126,9 +129,10 @@ ia_status_t ia_host_memory_read(const char *meminfo_path, const char *cgroup_roo
   out->mem_available = kib << 10;
   out->available = out->mem_available;
   if (!cgroup_root) cgroup_root = "/sys/fs/cgroup";
-  int cgroup = cgroup_root[0] ? read_cgroup(cgroup_root, &out->cgroup_limit, &out->cgroup_usage) : 0;
+  int cgroup = cgroup_root[0] ? read_cgroup(cgroup_root, &out->cgroup_limited, &out->cgroup_limit,
+                                             &out->cgroup_usage) : 0;
   if (cgroup < 0) return IA_ERR_BACKEND;
-  if (cgroup && out->cgroup_limit) {
+  if (cgroup && out->cgroup_limited) {
     uint64_t room = out->cgroup_limit > out->cgroup_usage ? out->cgroup_limit - out->cgroup_usage : 0;
     if (room < out->available) out->available = room;
   }
@@ -164,7 +168,7 @@ static ia_status_t check_room(guard_backend_t *g, size_t size, const char *verb)
   }
   if (size > mem.available || mem.available - size < g->opts.headroom) {
     char cg[96] = "";
-    if (mem.cgroup_limit)
+    if (mem.cgroup_limited)
       snprintf(cg, sizeof cg, ", cgroup limit %" PRIu64 " MiB with %" PRIu64 " MiB in use",
                mem.cgroup_limit >> 20, mem.cgroup_usage >> 20);
     snprintf(last_message, sizeof last_message,

@@ -252,24 +252,46 @@ def test_a_cgroup_file_is_read_exactly_or_refused_naming_it(tmp_path, layout, li
     limit_file, usage_file = CGROUP_FILES[layout]
     root = cgroup(tmp_path, {limit_file: limit + "\n", usage_file: usage + "\n"})
 
+    NO_LIMIT = "no limit"
+
     def value(word):  # what the file means, or None where it must be refused
         if word == "max":
-            return 0
-        return int(word) if word.isascii() and word.isdigit() and int(word) < 2**64 else None
+            return NO_LIMIT
+        return int(word) if word.isascii() and word.isdigit() and int(word) < 2**64 - 1 else None
 
     lim = value(limit)
-    lim = 0 if lim is not None and lim >= 2**62 else lim  # v1's "no limit"
-    use = value(usage) if lim else 0
+    lim = NO_LIMIT if isinstance(lim, int) and lim >= 2**62 else lim  # v1's "no limit"
+    use = value(usage) if lim != NO_LIMIT else 0  # 0 is a limit, read with its usage (issue 47)
+    if use == NO_LIMIT:
+        use = None  # "max" is no number of bytes in use
     try:
         m = read(meminfo(tmp_path, 4 * 1024 * 1024), cgroup_root=root)  # 4 GiB available
     except BackendError as e:
         bad, word = (limit_file, limit) if lim is None else (usage_file, usage)
         assert lim is None or use is None, str(e)
-        assert f"{bad}: bad value '{word[:40]}'" in str(e) and "'max' or a number of bytes" in str(e)
+        assert f"{bad}: bad value '{word[:40]}'" in str(e)
+        assert ("'max' or a number of bytes" if bad == limit_file else "hold a number of bytes") in str(e)
     else:
         assert lim is not None and use is not None
-        assert m.cgroup_limit == (lim or None)
-        assert m.available == (min(4 * GiB, max(lim - use, 0)) if lim else 4 * GiB)
+        limited = lim != NO_LIMIT
+        assert m.cgroup_limit == (lim if limited else None)
+        assert m.cgroup_usage == (use if limited else None)
+        assert m.available == (min(4 * GiB, max(lim - use, 0)) if limited else 4 * GiB)
+
+
+def test_a_cgroup_limit_of_zero_bytes_is_a_limit_and_max_is_none(tmp_path):
+    # Issue 47: memory.max "0" was read as "no limit" (0 was also the sentinel for "max"), so the
+    # guard counted on all of MemAvailable.
+    zero = read(meminfo(tmp_path, 4 * 1024 * 1024),
+                cgroup_root=cgroup(tmp_path / "zero", {"memory.max": "0\n", "memory.current": "0\n"}))
+    assert zero.cgroup_limit == 0 and zero.cgroup_usage == 0 and zero.available == 0
+    guard = HostGuard(meminfo=meminfo(tmp_path, 64 * 1024),
+                      cgroup_root=cgroup(tmp_path / "zero2", {"memory.max": "0\n", "memory.current": "0\n"}))
+    with pytest.raises(ArenaOutOfMemory):
+        Arena(MiB, guard=guard)
+    unlimited = read(meminfo(tmp_path, 4 * 1024 * 1024),
+                     cgroup_root=cgroup(tmp_path / "max", {"memory.max": "max\n", "memory.current": "7\n"}))
+    assert unlimited.cgroup_limit is None and unlimited.available == 4 * GiB
 
 
 def test_the_guard_refuses_on_a_cgroup_limit_it_cannot_read(tmp_path):
