@@ -246,8 +246,7 @@ def release(device: int) -> None:
             torch.cuda.empty_cache()
         if lib.ia_plugin_release(index) != lib.IA_OK:
             why = ffi.string(lib.ia_plugin_failure()).decode()
-            raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: {why}; free those "
-                                "tensors (or the CUDA graphs that hold them) first")
+            raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: {why}")
 
 
 def workspace_reserved(device: int) -> bool:

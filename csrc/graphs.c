@@ -17,7 +17,8 @@
  * for its later workspaces, and they go back to the workspace arena with the pool.
  *
  * Locking: one mutex per device guards its pools; arenas are called outside it
- * except when a pool is created or destroyed.
+ * except when a pool is created or destroyed, or read for statistics. Which arena may go when,
+ * and the lock order: Note [Device lifetime] (plugin.h).
  */
 #include <pthread.h>
 #include <stdio.h>

@@ -26,6 +26,8 @@
  * hook, which throws c10::OutOfMemoryError from C++ (the core is built with -fexceptions so the
  * throw can unwind through it; no lock is held at that point). Without a hook it aborts.
  *
+ * Lifetimes and lock order: Note [Device lifetime] (plugin.h).
+ *
  * This file: configuration, devices and their pools, device-wide statistics. plugin_entry.c: the
  * entry points and routing. plugin_oom.c: out-of-memory messages and the JSON report.
  */
@@ -271,10 +273,12 @@ ia_status_t ia_plugin_release(int device) {
     char live[32];
     ia_arena_stats(arena, &s);
     if (s.in_use.current)
-      snprintf(_ia_failure, sizeof _ia_failure, "%s of its workspace arena are live (%llu blocks)",
+      snprintf(_ia_failure, sizeof _ia_failure, "%s of its workspace arena are live (%llu blocks); free those "
+               "tensors (or the CUDA graphs that hold them) first",
                _ia_format_bytes(s.in_use.current, live, sizeof live), (unsigned long long)s.blocks.current);
     else
-      snprintf(_ia_failure, sizeof _ia_failure, "a CUDA graph is being captured on it; release after the capture ends");
+      snprintf(_ia_failure, sizeof _ia_failure, "a CUDA graph is being captured on it; release once the capture "
+               "has ended");
   } else if (arena) {
     atomic_store_explicit(&slot->workspace_ready, 0, memory_order_release);
     atomic_store(&slot->pool_stream, IA_STREAM_NONE);

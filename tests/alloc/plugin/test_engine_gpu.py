@@ -123,3 +123,53 @@ print(json.dumps({{"busy": busy, "freed": released - reserved, "taken": released
     assert footprint <= out["freed"] <= footprint + 2 * MiB, out
     assert footprint <= out["taken"] <= footprint + 2 * MiB, out
     assert out["value"] == 3.0 * (1 << 20) and out["reserved_now"]
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+def test_statistics_read_from_another_thread_while_release_and_reserve_cycle(scope):
+    # Issue 47 on a real device: a serving engine's metrics thread reads the memory statistics,
+    # resets the peaks and takes snapshots while its sleep mode releases and reserves the
+    # workspace arena. Nothing crashes, no cumulative counter goes down, every workspace computes.
+    out = run(f"""
+import threading
+alloc.install(alloc.Config(budget_mb=64), scope={scope!r})
+torch.cuda.init()
+alloc.reserve(0)
+stop, seen, problems = threading.Event(), [0], []
+CUMULATIVE = ["allocated_bytes.all.allocated", "allocated_bytes.all.freed", "num_device_alloc", "num_device_free",
+              "segment.all.allocated", "segment.all.freed"]
+
+def reader():
+    last = {{}}
+    while not stop.is_set():
+        s = torch.cuda.memory_stats()
+        for key in CUMULATIVE:
+            if s.get(key, 0) < last.get(key, 0):
+                problems.append(f"{{key}} went from {{last[key]}} to {{s[key]}}")
+            last[key] = s.get(key, 0)
+        alloc.memory_stats()
+        torch.cuda.memory_allocated(); torch.cuda.max_memory_reserved()
+        if seen[0] % 5 == 0:
+            torch.cuda.reset_peak_memory_stats()
+        if seen[0] % 7 == 0 and alloc.installed_scope() == "process":
+            torch.cuda.memory_snapshot()
+        seen[0] += 1
+
+threads = [threading.Thread(target=reader) for _ in range(2)]
+for t in threads:
+    t.start()
+sums = []
+for i in range(150):
+    with alloc.workspace():
+        x = torch.full((1 << 20,), float(i % 7), device="cuda")
+    sums.append(x.sum().item() == float(i % 7) * (1 << 20))
+    del x
+    alloc.release(0)
+    if i % 2:
+        alloc.reserve(0)
+stop.set()
+for t in threads:
+    t.join()
+print(json.dumps({{"sums": all(sums), "problems": problems[:5], "reads": seen[0]}}))
+""")
+    assert out["sums"] and not out["problems"] and out["reads"] > 50, out

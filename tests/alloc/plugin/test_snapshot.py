@@ -334,3 +334,19 @@ view.check()
 assert view.stats()["capacity"] == 64 * MiB and view.stats()["blocks"] == 1
 lib.ia_torch_free(ffi.cast("void *", ws))
 """)
+
+
+def test_a_release_while_a_graph_captures_is_refused_saying_why():
+    # A capture may not see memory given back (the driver's free synchronizes the device): the
+    # workspace arena sleeps only once the capture has ended.
+    run("""
+assert lib.ia_plugin_reserve(0) == lib.IA_OK
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 0, 5
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+assert lib.ia_plugin_release(0) == lib.IA_ERR_INVALID_ARGUMENT
+assert ffi.string(lib.ia_plugin_failure()).decode() == (
+    "a CUDA graph is being captured on it; release once the capture has ended")
+assert lib.ia_plugin_workspace_reserved(0)
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK and lib.ia_graph_release(0, p[0]) == lib.IA_OK
+assert lib.ia_plugin_release(0) == lib.IA_OK and not lib.ia_plugin_workspace_reserved(0)
+""")
