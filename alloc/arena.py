@@ -12,7 +12,7 @@ from typing import Literal
 from ._core import ffi, lib
 from .config import c_path
 from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
-from .units import MAX_SIZE, U64_MAX, fmt_bytes
+from .units import MAX_SIZE, PAGE, U64_MAX, fmt_bytes
 
 
 #: Streams are handles from 0 to 2**64 - 2: all bits set is the core's "no stream" (IA_STREAM_NONE),
@@ -138,7 +138,7 @@ def _guarded(inner, guard: HostGuard, keepalive: list):
 
 
 def _new_backend(backend: str, device: int | None, host_limit: int | None, cudart: str | None,
-                 mapping: bool = False, page_size: int = 2 << 20):
+                 mapping: bool = False, page_size: int = PAGE):
     """mapping: a backend that maps pages (host: simulated pages of page_size; cuda: the driver's)."""
     out = ffi.new("ia_backend_t **")
     if backend == "host":
@@ -180,8 +180,8 @@ class Arena:
     """
 
     def __init__(self, capacity: int, alignment: int = 256, backend: str = "host", *,
-                 device: int | None = None, growable: bool = False, region_min: int = 2 << 20,
-                 region_round: int = 2 << 20, region_exact_above: int | None = None,
+                 device: int | None = None, growable: bool = False, region_min: int = PAGE,
+                 region_round: int = PAGE, region_exact_above: int | None = None,
                  limit: int = 0, host_limit: int | None = None, cudart: str | None = None,
                  guard: HostGuard | None = None, name: str = "arena", address_range: int = 0,
                  page_size: int | None = None):
@@ -220,7 +220,7 @@ class Arena:
         self._cond, self._users, self._arena = threading.Condition(), 0, ffi.NULL
         self._keepalive: list = []
         self._backend = _new_backend(backend, device, host_limit, cudart, mapping=address_range > 0,
-                                     page_size=page_size or 2 << 20)
+                                     page_size=page_size or PAGE)
         self._host_controls = self._backend
         if guard is not None:
             self._backend = _guarded(self._backend, guard, self._keepalive)

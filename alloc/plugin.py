@@ -11,6 +11,12 @@ pool's caching layer keeps each segment it is given, so the pool is first handed
 the whole budget, and PyTorch splits every workspace out of it: one reservation, no growth.
 
 In both scopes ``workspace()`` routes the calling thread's allocations to the workspace arena.
+
+The scope is a type, chosen once by ``install()``: ``_ProcessScope`` or ``_WorkspaceScope``, each
+method of theirs one thing the scopes do differently; the functions below ask the installed one
+(``_scope()``; before ``install()``, ``_CoreScope``, the C core on its own). What the core holds
+per device, alike in either scope, is read through ``alloc.devices``, whose names this module
+offers too.
 """
 
 from __future__ import annotations
@@ -19,47 +25,189 @@ import contextlib
 import os
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import config as config_mod
 from ._core import ffi, lib
-from .arena import Arena, stats_dict
+from .arena import stats_dict
+from .devices import (MAX_DEVICES, POOLS, SMALL_REQUEST, device_arena, device_index,  # noqa: F401
+                      device_is_expandable, device_is_unified, graph_pool_blocks, graph_pools,
+                      in_workspace, pool_options, workspace_reserved)
 from .errors import InstallError, WorkspaceBusy
 from .units import fmt_bytes
 
-POOLS = tuple(ffi.string(lib.ia_plugin_pool_name(p)).decode() for p in range(lib.IA_POOL_COUNT))
-"""The pools of a device, in the C core's order: traces and reports name them so."""
-MAX_DEVICES = lib.IA_MAX_DEVICES
-SMALL_REQUEST = lib.IA_SMALL_REQUEST
-"""General requests up to this many bytes go to the small pool, larger ones to the large pool."""
 SCOPES = config_mod.SCOPES
-_SCOPE_CODES = {"process": lib.IA_SCOPE_PROCESS, "workspace": lib.IA_SCOPE_WORKSPACE}
 
 
 @dataclass
 class _Installed:
     config: config_mod.Config
-    scope: str
-    allocator: object  # workspace scope: the MemPools' CUDAPluggableAllocator
+    scope: _CoreScope  # a _ProcessScope or a _WorkspaceScope, chosen once by install()
     keepalive: tuple
-    pools: dict = field(default_factory=dict)  # workspace scope: device index -> MemPool
 
 
 _state_lock = threading.Lock()
 _installed: _Installed | None = None
 
 
-def pool_options(pool: str) -> dict:
-    """How the C core makes a device's arena of ``pool``, as ``alloc.Arena`` keyword arguments
-    (the workspace arena's ``capacity`` and ``alignment`` are the installed configuration's, 0
-    before ``install()``)."""
-    o = ffi.new("ia_arena_options_t *")
-    if pool not in POOLS or lib.ia_plugin_pool_options(POOLS.index(pool), o) != lib.IA_OK:
-        raise ValueError(f"unknown pool {pool!r}; accepted: {', '.join(POOLS)}")
-    exact = int(o.region_exact_above)
-    return {"capacity": int(o.capacity), "alignment": int(o.alignment), "growable": bool(o.growable),
-            "region_min": int(o.region_min), "region_round": int(o.region_round),
-            "region_exact_above": None if exact == int(ffi.cast("size_t", -1)) else exact}
+class _CoreScope:
+    """What differs between the scopes, one method each. This base is the C core on its own, what
+    the functions do before ``install()``: ``workspace()`` routes through the core, the statistics
+    are the core's, and there is no workspace pool."""
+    name: str | None = None
+
+    def reserve(self, device: int) -> None:
+        _reserve_arena(device)
+
+    def release_pool(self, index: int) -> None:
+        """Before the device's workspace arena is released: nothing to give back but the arena."""
+
+    def pool(self, device):
+        now = f"installed in {self.name} scope" if self.name else "not installed"
+        raise InstallError(f"alloc.workspace_pool() needs alloc.install(scope=\"workspace\") "
+                           f"first; the allocator is {now}")
+
+    @contextlib.contextmanager
+    def workspace(self) -> Iterator[None]:
+        lib.ia_workspace_enter()
+        try:
+            yield
+        finally:
+            lib.ia_workspace_exit()
+
+    def memory_stats(self, device: int, pools: dict[str, dict]) -> dict:
+        return _core_memory_stats(device, pools)
+
+    def reset_peaks(self, device: int) -> None:
+        lib.ia_plugin_reset_peaks(device)
+
+    def device_total(self, total: str, field: str, torch_name: str, device: int) -> int:
+        return int(getattr(getattr(lib.ia_plugin_device_totals(device), total), field))
+
+
+class _ProcessScope(_CoreScope):
+    """The C core is PyTorch's CUDA allocator: every tensor of the process comes from it."""
+    name = "process"
+    code = lib.IA_SCOPE_PROCESS
+
+    def check(self, torch, config: config_mod.Config, cudart: str | None) -> None:
+        if torch.cuda.is_initialized():
+            raise InstallError(
+                "CUDA is already initialised in this process, and PyTorch cannot change its "
+                "allocator after that. Call alloc.install() first thing in the worker, before any "
+                "tensor is moved to the GPU and before torch.cuda.set_device() or a MemPool; or "
+                "install(scope=\"workspace\"), which works at any time")
+        if config.expandable == "on":
+            _check_mapping(cudart, torch.cuda.device_count())
+
+    def put_in(self, torch) -> None:
+        from . import shims
+        shims.install_allocator(int(ffi.cast("uintptr_t", lib.ia_torch_entry_points())))
+
+
+class _WorkspaceScope(_CoreScope):
+    """PyTorch's allocator serves the process and keeps the statistics; workspaces come from one
+    ``torch.cuda.MemPool`` a device over the workspace arena."""
+    name = "workspace"
+    code = lib.IA_SCOPE_WORKSPACE
+
+    def __init__(self) -> None:
+        self.allocator = None  # the MemPools' CUDAPluggableAllocator, made by put_in
+        self.pools: dict = {}  # device index -> MemPool
+
+    def check(self, torch, config: config_mod.Config, cudart: str | None) -> None:
+        _check_pool_settings()
+
+    def put_in(self, torch) -> None:
+        self.allocator = torch.cuda.memory.CUDAPluggableAllocator(
+            core_library_path(), "ia_pool_alloc", "ia_pool_free")
+
+    def reserve(self, device: int) -> None:
+        workspace_pool(device)
+
+    def release_pool(self, index: int) -> None:
+        pool = self.pools.get(index)
+        if pool is None:
+            return
+        import torch
+        live = sum(b["size"] for seg in pool_snapshot(index) for b in seg["blocks"]
+                   if b["state"] != "inactive")
+        if live:
+            raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: "
+                                f"{fmt_bytes(live)} of its pool are live; free those tensors first")
+        del self.pools[index]
+        del pool  # PyTorch frees a released pool's segment at the next empty_cache()
+        torch.cuda.synchronize(index)
+        torch.cuda.empty_cache()
+
+    def pool(self, device):
+        import torch
+        index = device_index(device)
+        with _pool_lock:
+            pool = self.pools.get(index)
+            if pool is not None:
+                return pool
+            _reserve_arena(index)
+            try:
+                pool = torch.cuda.MemPool(self.allocator.allocator())
+            except RuntimeError as e:
+                raise InstallError(f"PyTorch refused a MemPool on cuda:{index} ({e}); the workspace "
+                                   "scope needs PyTorch's own caching allocator as the process's "
+                                   "allocator") from None
+            segment = pool_segment_bytes()
+            with torch.cuda.device(index), torch.cuda.use_mem_pool(pool, index):
+                torch.empty(segment, dtype=torch.uint8, device=index)  # freed at once; kept cached
+            held = device_arena(index, "workspace").stats()
+            if held["in_use"] != segment or held["backend_reserves"] != 1:
+                raise InstallError(
+                    f"the workspace pool of cuda:{index} asked its arena for {held['in_use']} bytes "
+                    f"where {segment} were expected; this PyTorch ({torch.__version__}) sizes pool "
+                    "segments differently, so use the process scope")
+            self.pools[index] = pool
+            return pool
+
+    @contextlib.contextmanager
+    def workspace(self) -> Iterator[None]:
+        import torch
+        if torch.cuda.is_current_stream_capturing():
+            # PyTorch gives a pool's blocks to the stream that made its segment only, and the
+            # budget is that one segment: a capturing stream's request would need another. The
+            # graph's own private pool serves it instead, as every other tensor of the capture.
+            with super().workspace():
+                yield
+            return
+        device = torch.cuda.current_device()
+        pool = workspace_pool(device)
+        refusals = lib.ia_plugin_pool_refusals()
+        lib.ia_workspace_enter()
+        try:
+            with torch.cuda.use_mem_pool(pool, device):
+                yield
+        except torch.OutOfMemoryError as e:
+            if lib.ia_plugin_pool_refusals() == refusals:  # not the pool's: PyTorch's own error
+                raise
+            raise torch.OutOfMemoryError(f"{e} {_pool_state(device)}") from None
+        finally:
+            lib.ia_workspace_exit()
+
+    def memory_stats(self, device: int, pools: dict[str, dict]) -> dict:
+        import torch
+        out = dict(torch.cuda.memory_stats(device))  # the workspace pool's segments among them
+        out.update({f"arena.workspace.{k}": v for k, v in pools["workspace"].items()})
+        return out
+
+    def reset_peaks(self, device: int) -> None:
+        super().reset_peaks(device)
+        import torch
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def device_total(self, total: str, field: str, torch_name: str, device: int) -> int:
+        import torch
+        return getattr(torch.cuda, torch_name)(device)
+
+
+_NOT_INSTALLED = _CoreScope()
+_SCOPE_TYPES = {"process": _ProcessScope, "workspace": _WorkspaceScope}  # of config.SCOPES
 
 
 def core_library_path() -> str:
@@ -89,7 +237,12 @@ def installed_config() -> config_mod.Config | None:
 
 def installed_scope() -> str | None:
     """``"process"``, ``"workspace"``, or None before ``install()``."""
-    return _installed.scope if _installed else None
+    return _installed.scope.name if _installed else None
+
+
+def _scope() -> _CoreScope:
+    """The installed scope; before ``install()``, the C core's own routing and counters."""
+    return _installed.scope if _installed is not None else _NOT_INSTALLED
 
 
 def install(config: config_mod.Config | None = None, *, devices: Iterable[int] = (),
@@ -118,41 +271,32 @@ def install(config: config_mod.Config | None = None, *, devices: Iterable[int] =
     config = config if config is not None else config_mod.from_env()
     with _state_lock:
         if _installed is not None:
-            if scope != _installed.scope:
+            if scope != _installed.scope.name:
                 raise InstallError(
-                    f"the allocator is already installed in {_installed.scope} scope; one process "
+                    f"the allocator is already installed in {_installed.scope.name} scope; one process "
                     f"cannot also use the {scope} scope. Choose one scope for the whole process")
             if config != _installed.config:
                 raise InstallError(
                     f"the allocator is already installed with {_installed.config}; it cannot be "
                     f"installed again with {config} in the same process")
         else:
-            _installed = _install(config, scope)
+            _installed = _install(config, _SCOPE_TYPES[scope]())
     for device in devices:
         reserve(device)
     return config
 
 
-def _install(config: config_mod.Config, scope: str) -> _Installed:
+def _install(config: config_mod.Config, scope: _ProcessScope | _WorkspaceScope) -> _Installed:
     import torch
     if not torch.cuda.is_available():
         raise InstallError("torch sees no CUDA device; the arena allocator needs one "
                            "(on the CPU use alloc.Arena with the host backend)")
-    if scope == "process" and torch.cuda.is_initialized():
-        raise InstallError(
-            "CUDA is already initialised in this process, and PyTorch cannot change its "
-            "allocator after that. Call alloc.install() first thing in the worker, before any "
-            "tensor is moved to the GPU and before torch.cuda.set_device() or a MemPool; or "
-            "install(scope=\"workspace\"), which works at any time")
-    if scope == "workspace":
-        _check_pool_settings()
     cudart = loaded_cudart()
-    if scope == "process" and config.expandable == "on":
-        _check_mapping(cudart, torch.cuda.device_count())
+    scope.check(torch, config, cudart)
     strings = tuple(ffi.new("char[]", config_mod.c_path(s)) if s else ffi.NULL
                     for s in (cudart, config.meminfo, config.oom_report))
     c = ffi.new("ia_plugin_config_t *")
-    c.scope = _SCOPE_CODES[scope]
+    c.scope = scope.code
     c.budget = config.budget_bytes
     c.alignment = config.alignment
     c.cudart_path, c.meminfo_path, c.oom_report_path = strings
@@ -165,12 +309,8 @@ def _install(config: config_mod.Config, scope: str) -> _Installed:
         raise InstallError("the C core refused the configuration: a device already has arenas")
     if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
         raise InstallError(f"could not allocate a trace ring of {config.trace} events")
-    if scope == "workspace":
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            core_library_path(), "ia_pool_alloc", "ia_pool_free")
-        return _Installed(config, scope, allocator, (strings, c))
-    shims.install_allocator(int(ffi.cast("uintptr_t", lib.ia_torch_entry_points())))
-    return _Installed(config, scope, None, (strings, c))
+    scope.put_in(torch)
+    return _Installed(config, scope, (strings, c))
 
 
 def mapping_refusal(device: int, cudart: str | None = None) -> str | None:
@@ -217,10 +357,7 @@ def reserve(device: int) -> None:
     reserves the budget again."""
     if not is_installed():
         raise InstallError("alloc.reserve() needs alloc.install() first")
-    if _installed.scope == "workspace":
-        workspace_pool(device)
-        return
-    _reserve_arena(device)
+    _installed.scope.reserve(device)
 
 
 def release(device: int) -> None:
@@ -230,28 +367,12 @@ def release(device: int) -> None:
     nothing is released then."""
     if not is_installed():
         raise InstallError("alloc.release() needs alloc.install() first")
-    index = _device_index(device)
+    index = device_index(device)
     with _pool_lock:
-        pool = _installed.pools.get(index)
-        if pool is not None:
-            import torch
-            live = sum(b["size"] for seg in pool_snapshot(index) for b in seg["blocks"]
-                       if b["state"] != "inactive")
-            if live:
-                raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: "
-                                    f"{fmt_bytes(live)} of its pool are live; free those tensors first")
-            del _installed.pools[index]
-            del pool  # PyTorch frees a released pool's segment at the next empty_cache()
-            torch.cuda.synchronize(index)
-            torch.cuda.empty_cache()
+        _installed.scope.release_pool(index)
         if lib.ia_plugin_release(index) != lib.IA_OK:
             why = ffi.string(lib.ia_plugin_failure()).decode()
             raise WorkspaceBusy(f"cannot release the workspace of cuda:{index}: {why}")
-
-
-def workspace_reserved(device: int) -> bool:
-    """Whether the device's workspace arena is reserved now."""
-    return bool(lib.ia_plugin_workspace_reserved(int(device)))
 
 
 def _reserve_arena(device: int) -> None:
@@ -277,34 +398,7 @@ def workspace_pool(device=None):
     segment's blocks to the stream it was made on only, so a device's workspaces belong on that
     one stream. Later calls return the same pool.
     """
-    if _installed is None or _installed.scope != "workspace":
-        now = f"installed in {_installed.scope} scope" if _installed else "not installed"
-        raise InstallError(f"alloc.workspace_pool() needs alloc.install(scope=\"workspace\") "
-                           f"first; the allocator is {now}")
-    import torch
-    index = _device_index(device)
-    with _pool_lock:
-        pool = _installed.pools.get(index)
-        if pool is not None:
-            return pool
-        _reserve_arena(index)
-        try:
-            pool = torch.cuda.MemPool(_installed.allocator.allocator())
-        except RuntimeError as e:
-            raise InstallError(f"PyTorch refused a MemPool on cuda:{index} ({e}); the workspace "
-                               "scope needs PyTorch's own caching allocator as the process's "
-                               "allocator") from None
-        segment = pool_segment_bytes()
-        with torch.cuda.device(index), torch.cuda.use_mem_pool(pool, index):
-            torch.empty(segment, dtype=torch.uint8, device=index)  # freed at once; kept cached
-        held = device_arena(index, "workspace").stats()
-        if held["in_use"] != segment or held["backend_reserves"] != 1:
-            raise InstallError(
-                f"the workspace pool of cuda:{index} asked its arena for {held['in_use']} bytes "
-                f"where {segment} were expected; this PyTorch ({torch.__version__}) sizes pool "
-                "segments differently, so use the process scope")
-        _installed.pools[index] = pool
-        return pool
+    return _scope().pool(device)
 
 
 def pool_segment_bytes() -> int:
@@ -325,37 +419,8 @@ def workspace() -> Iterator[None]:
     inside its allocator). Without ``install()`` the scope changes nothing: tensors come from
     whatever allocator PyTorch has. Scopes nest.
     """
-    if _installed is None or _installed.scope == "process":
-        lib.ia_workspace_enter()
-        try:
-            yield
-        finally:
-            lib.ia_workspace_exit()
-        return
-    import torch
-    if torch.cuda.is_current_stream_capturing():
-        # PyTorch gives a pool's blocks to the stream that made its segment only, and the budget
-        # is that one segment: a capturing stream's request would need another. The graph's own
-        # private pool serves it instead, as every other tensor of the capture.
-        lib.ia_workspace_enter()
-        try:
-            yield
-        finally:
-            lib.ia_workspace_exit()
-        return
-    device = torch.cuda.current_device()
-    pool = workspace_pool(device)
-    refusals = lib.ia_plugin_pool_refusals()
-    lib.ia_workspace_enter()
-    try:
-        with torch.cuda.use_mem_pool(pool, device):
-            yield
-    except torch.OutOfMemoryError as e:
-        if lib.ia_plugin_pool_refusals() == refusals:  # not the pool's: PyTorch's own error
-            raise
-        raise torch.OutOfMemoryError(f"{e} {_pool_state(device)}") from None
-    finally:
-        lib.ia_workspace_exit()
+    with _scope().workspace():
+        yield
 
 
 def pool_snapshot(device=None) -> list[dict]:
@@ -363,7 +428,7 @@ def pool_snapshot(device=None) -> list[dict]:
     ``torch.cuda.memory_snapshot()`` describes segments (each with its blocks); PyTorch splits the
     pool's workspaces out of them."""
     import torch
-    arena = device_arena(_device_index(device), "workspace")
+    arena = device_arena(device_index(device), "workspace")
     if arena is None:
         return []
     inside = [(r.base, r.base + r.size) for r in arena.regions()]
@@ -385,32 +450,12 @@ def _pool_state(device: int) -> str:
             f"{config_mod.VLLM_BUDGET_VAR}), or plan smaller pieces.")
 
 
-def in_workspace() -> bool:
-    return lib.ia_workspace_depth() > 0
-
-
-def device_arena(device: int, pool: str) -> Arena | None:
-    """A read-only view of one of the device's arenas (None before the pool's first use). The view
-    stays valid for the life of the process: a released workspace arena shows that it holds
-    nothing until it is reserved again (Note [Device lifetime], csrc/plugin.h)."""
-    handle = lib.ia_plugin_arena(device, POOLS.index(pool))
-    if handle == ffi.NULL:
-        return None
-    return Arena.view(handle, name=f"cuda:{device} {pool}", backend="cuda", device=device)
-
-
 def _pool_stats(device: int) -> dict[str, dict]:
     out = {}
     for pool in POOLS:
         arena = device_arena(device, pool)
         out[pool] = arena.stats() if arena else stats_dict(ffi.new("ia_stats_t *"))
     return out
-
-
-def _pytorch_counts() -> bool:
-    """Workspace scope: PyTorch's allocator serves the process and keeps the statistics (the
-    workspace pool's segments among them)."""
-    return _installed is not None and _installed.scope == "workspace"
 
 
 #: PyTorch's kinds, as torch.cuda.memory_stats() names them, in ia_torch_stats_t's order (IA_KIND_*).
@@ -440,13 +485,12 @@ def memory_stats(device: int | None = None) -> dict:
     pages), ``arena.graphs.*`` and ``arena.outside.*`` (``outside_stats``). In workspace scope
     PyTorch's keys are PyTorch's own (``torch.cuda.memory_stats()``, which counts the workspace
     pool)."""
-    device = _device_index(device)
-    pools = _pool_stats(device)
-    if _pytorch_counts():
-        import torch
-        out = dict(torch.cuda.memory_stats(device))
-        out.update({f"arena.workspace.{k}": v for k, v in pools["workspace"].items()})
-        return {**out, **outside_stats(device)}
+    device = device_index(device)
+    return {**_scope().memory_stats(device, _pool_stats(device)), **outside_stats(device)}
+
+
+def _core_memory_stats(device: int, pools: dict[str, dict]) -> dict:
+    """``memory_stats`` as the C core counts: PyTorch's keys for every arena of the device."""
     s = ffi.new("ia_torch_stats_t *")
     lib.ia_plugin_torch_stats(device, s)
     out: dict[str, float] = {}
@@ -467,7 +511,7 @@ def memory_stats(device: int | None = None) -> dict:
         out[f"arena.graphs.{key}"] = sum(p[key] for p in held)
         for p in held:
             out[f"arena.graphs.{p['id'][0]}_{p['id'][1]}.{key}"] = p[key]
-    return {**out, **outside_stats(device)}
+    return out
 
 
 _outside: dict[int, tuple[int, int]] = {}
@@ -489,36 +533,12 @@ def outside_stats(device: int) -> dict:
     return {"arena.outside.calls": calls, "arena.outside.bytes": total}
 
 
-def graph_pools(device: int | None = None) -> list[dict]:
-    """The device's CUDA graph pools (process scope): PyTorch's pool id, how many graphs or
-    MemPools hold it, and the bytes it holds (``workspace``: of them, the bytes carved from the
-    workspace arena, which eager workspaces cannot use while the pool lives)."""
-    device = _device_index(device)
-    cap = 16
-    while True:
-        infos = ffi.new("ia_graph_pool_info_t[]", cap)
-        n = lib.ia_graph_pools(device, infos, cap)
-        if n <= cap:
-            break
-        cap = n + 16
-    return [{"id": (int(i.first), int(i.second)), "use_count": int(i.use_count),
-             "capturing": int(i.allocating) > 0, "streams": int(i.streams), "capacity": int(i.capacity),
-             "in_use": int(i.in_use), "workspace": int(i.workspace)} for i in infos[0:n]]
-
-
 def reset_peak_memory_stats(device: int | None = None) -> None:
-    device = _device_index(device)
-    lib.ia_plugin_reset_peaks(device)
-    if _pytorch_counts():
-        import torch
-        torch.cuda.reset_peak_memory_stats(device)
+    _scope().reset_peaks(device_index(device))
 
 
 def _device_total(total: str, field: str, torch_name: str, device) -> int:
-    if _pytorch_counts():
-        import torch
-        return getattr(torch.cuda, torch_name)(_device_index(device))
-    return int(getattr(getattr(lib.ia_plugin_device_totals(_device_index(device)), total), field))
+    return _scope().device_total(total, field, torch_name, device_index(device))
 
 
 def memory_allocated(device: int | None = None) -> int:
@@ -536,40 +556,3 @@ def memory_reserved(device: int | None = None) -> int:
 def max_memory_reserved(device: int | None = None) -> int:
     return _device_total("capacity", "peak", "max_memory_reserved", device)
 
-
-def device_is_unified(device: int | None = None) -> bool:
-    """Whether the device's arenas guard against host memory (False before its first use)."""
-    return bool(lib.ia_plugin_device_unified(_device_index(device)))
-
-
-def device_is_expandable(device: int | None = None) -> bool:
-    """Whether the device's general pools map pages of one address range each (``expandable``
-    key), rather than reserving regions (False before its first use)."""
-    return bool(lib.ia_plugin_device_expandable(_device_index(device)))
-
-
-def _device_index(device) -> int:
-    if device is None:
-        import torch
-        if not torch.cuda.is_available():
-            raise ValueError("no device was named and torch sees no CUDA device to take as the current "
-                             "one: pass the device index (the core's counters read 0 for a device it "
-                             "has not served)")
-        return torch.cuda.current_device()
-    if hasattr(device, "index"):  # torch.device
-        return device.index if device.index is not None else _device_index(None)
-    return int(device)
-
-
-def graph_pool_blocks(pool_id: tuple[int, int], device: int | None = None) -> list[dict]:
-    """Every block of one CUDA graph pool, live and free: address, size, free or not, stream."""
-    device = _device_index(device)
-    pool = ffi.new("ia_pool_id_t *")
-    pool.first, pool.second = pool_id
-    while True:
-        n = lib.ia_graph_blocks(device, pool[0], ffi.NULL, 0)
-        blocks = ffi.new("ia_block_info_t[]", max(n, 1))
-        if lib.ia_graph_blocks(device, pool[0], blocks, n) == n:
-            break
-    return [{"address": int(b.address), "size": int(b.size), "is_free": bool(b.is_free),
-             "stream": int(b.stream)} for b in blocks[0:n]]

@@ -1,7 +1,12 @@
 """Numbers: byte counts for people, and the bounds the C core holds counts, sizes and devices to."""
 
+KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
+PAGE = 2 * MiB
+"""The driver's granularity: cudaMalloc rounds to it and the VMM maps pages of it, so an arena's
+regions round to it by default (ia_arena_default_options in csrc/arena.c) and the host backend
+simulates pages of it."""
 U64_MAX = (1 << 64) - 1
 """The largest size, address or stream a C uint64_t, size_t or pointer holds here."""
 MAX_SIZE = 1 << 62
@@ -65,6 +70,11 @@ def fmt_bytes(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.2f} {unit}"
     raise AssertionError("unreachable")
+
+
+def fmt_mib(n: float | None, decimals: int = 0) -> str:
+    """A byte count as a table's MiB column: 2,950 (``decimals`` 0), 2,750.0 (1); "-" for None."""
+    return "-" if n is None else f"{n / MiB:,.{decimals}f}"
 
 
 def output_width(to_terminal: bool, fallback: int) -> int:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from alloc.units import MiB, fmt_mib  # noqa: E402
 from arena_tools.paths import unwritable  # noqa: E402
 
 ALLOCATORS = {"default": "PyTorch's allocator", "arena": "indexer-arena, process scope"}
-MiB = 1 << 20
 
 
 def record(args) -> None:
@@ -84,7 +84,7 @@ def render(out: Path) -> None:
         held, used = held_over_time(snapshot)
         ax.plot([h / MiB for h in held], label="held by the allocator (segments)")
         ax.plot([u / MiB for u in used], label="in live tensors")
-        ax.set_title(f"{title}: peak held {max(held, default=0) / MiB:,.0f} MiB")
+        ax.set_title(f"{title}: peak held {fmt_mib(max(held, default=0))} MiB")
         ax.set_xlabel("allocator event")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("MiB")

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Iterator
 
-MiB = 1 << 20
+from alloc.units import MiB
 
 
 def cdiv(a: int, b: int) -> int:

@@ -23,10 +23,10 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from alloc.units import MiB, fmt_mib
 from arena_tools import allocators
 from arena_tools.allocators import ALLOCATORS
 
-MiB = 1 << 20
 TOPK = 2048
 
 
@@ -109,9 +109,9 @@ def print_gpu_table(results: list[dict], console: Console) -> None:
             table.add_row(r["allocator"], *["-"] * 6, f"failed: {r['error']}")
             continue
         calls = r["chunks"][-1]["device_calls"]
-        table.add_row(r["allocator"], f"{at_tokens(r, 3200)['device_bytes'] / MiB:,.0f}",
-                      f"{at_tokens(r, 166_400)['device_bytes'] / MiB:,.0f}",
-                      f"{r['peak_device_bytes'] / MiB:,.0f}", f"{r['chunks'][-1]['device_bytes'] / MiB:,.0f}",
+        table.add_row(r["allocator"], fmt_mib(at_tokens(r, 3200)['device_bytes']),
+                      fmt_mib(at_tokens(r, 166_400)['device_bytes']),
+                      fmt_mib(r['peak_device_bytes']), fmt_mib(r['chunks'][-1]['device_bytes']),
                       "n/a" if calls < 0 else str(calls), f"{r['wall_s']:.2f}",
                       f"{r['wall_s'] / base:.2f}" if base else "-")
     console.print(table)

@@ -16,12 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # the repository root
 
+from alloc.units import MiB, fmt_mib  # noqa: E402
 from arena_tools import allocators  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.alloc.llama import llama_config, llama_model, model_flags  # noqa: E402
 
 ALLOCATORS = ("default", "expandable", "arena")  # of arena_tools.allocators
-MiB = 1 << 20
 
 
 def static_cache(config, batch: int, length: int):
@@ -131,8 +131,8 @@ def main() -> None:
                   ("allocator", "round", "tokens/s", "device used MiB", "peak reserved MiB",
                    "seed prefill took MiB"),
                   [(r["allocator"], str(i // len(ALLOCATORS) + 1), f"{r['tokens_per_s']:,.0f}",
-                    f"{r['device_used_end'] / MiB:,.0f}", f"{r['peak_reserved'] / MiB:,.0f}",
-                    f"{r['workspace_taken'] / MiB:,.0f}") for i, r in enumerate(runs)])
+                    fmt_mib(r['device_used_end']), fmt_mib(r['peak_reserved']),
+                    fmt_mib(r['workspace_taken'])) for i, r in enumerate(runs)])
     print_goal(args, runs, harness.best(runs, ALLOCATORS, "tokens_per_s", most=True))
     harness.write_json(args.json, runs)
 

@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
+from alloc.units import MiB, fmt_mib  # noqa: E402
 from arena_tools import allocators  # noqa: E402
 from benchmarks import harness  # noqa: E402
 from benchmarks.alloc.llama import llama_config, llama_model, model_flags  # noqa: E402
 
 ALLOCATORS = ("default", "expandable", "arena", "arena-regions", "arena-workspace")  # of arena_tools.allocators
-MiB = 1 << 20
 
 
 def worker(args) -> dict:
@@ -113,19 +113,19 @@ def print_runs(args, runs: list[dict]) -> None:
                   ("allocator", "round", "seconds", "peak reserved MiB", "peak allocated MiB",
                    "device used MiB", "tokens as default"),
                   [(r["allocator"], str(i // len(ALLOCATORS) + 1), f"{r['seconds']:.3f}",
-                    f"{r['peak_reserved'] / MiB:,.0f}", f"{r['peak_allocated'] / MiB:,.0f}",
-                    f"{r['device_used_end'] / MiB:,.0f}", agreement(r)) for i, r in enumerate(runs)])
+                    fmt_mib(r['peak_reserved']), fmt_mib(r['peak_allocated']),
+                    fmt_mib(r['device_used_end']), agreement(r)) for i, r in enumerate(runs)])
 
 
 def print_pools(first_round: list[dict]) -> None:
     rows = []
     for r in first_round:
         for pool, p in r["pools"].items():
-            rows.append((r["allocator"], pool, *(f"{p[k] / MiB:,.1f}" for k in
+            rows.append((r["allocator"], pool, *(fmt_mib(p[k], 1) for k in
                                                   ("reserved", "reserved_peak", "in_use", "in_use_peak")),
                          str(p["segments"])))
         rows.append((r["allocator"], "outside the allocator",
-                     f"{(r['device_used_end'] - r['reserved_end']) / MiB:,.1f}", "", "", "", ""))
+                     fmt_mib(r['device_used_end'] - r['reserved_end'], 1), "", "", "", ""))
     harness.table("where the memory is at the end (each allocator's first round), MiB",
                   ("allocator", "pool", "reserved", "reserved peak", "in use", "in use peak", "segments"),
                   rows)
@@ -138,9 +138,9 @@ def print_goals(best: dict[str, dict]) -> None:
               f"used {r['device_used_end'] / base['device_used_end']:.3f}")
     for name in ("arena", "arena-regions"):
         r = best[name]
-        print(f"{name} against expandable segments: device used at the end {r['device_used_end'] / MiB:,.0f} / "
-              f"{theirs['device_used_end'] / MiB:,.0f} MiB, peak reserved {r['peak_reserved'] / MiB:,.0f} / "
-              f"{theirs['peak_reserved'] / MiB:,.0f} MiB")
+        print(f"{name} against expandable segments: device used at the end {fmt_mib(r['device_used_end'])} / "
+              f"{fmt_mib(theirs['device_used_end'])} MiB, peak reserved {fmt_mib(r['peak_reserved'])} / "
+              f"{fmt_mib(theirs['peak_reserved'])} MiB")
     scoped, arena = best["arena-workspace"], best["arena"]
     harness.goal("workspace scope costs nothing outside the workspace (time within 2% of default, "
                  "device memory at or below it)",

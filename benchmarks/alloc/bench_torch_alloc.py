@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
+from alloc.units import KiB, MiB  # noqa: E402
 from arena_tools import allocators  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
@@ -42,7 +43,6 @@ THREADS = (1, 4)
 BLOCKS = 5
 CXX_PAIRS = 8  # the C++ rows' pairs a block over the Python rows'
 CXX_SOURCE = Path(__file__).with_name("torch_pairs.cpp")
-KiB, MiB = 1 << 10, 1 << 20
 
 
 def size_lists() -> dict[str, list[int]]:

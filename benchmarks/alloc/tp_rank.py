@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.alloc.tp_tables import MiB, print_run  # noqa: E402
+from alloc.units import MiB  # noqa: E402
+from benchmarks.alloc.tp_tables import print_run  # noqa: E402
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn"}
 

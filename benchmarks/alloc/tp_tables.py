@@ -12,15 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from alloc.units import MiB, fmt_mib  # noqa: E402
 from benchmarks import harness  # noqa: E402
 
-MiB = 1 << 20
 HEADLINE_TOKENS = 166_400
 """Where the guide reads the default allocator's growth (13.6 GiB on one H200)."""
-
-
-def _mib(x) -> str:
-    return "-" if x is None else f"{x / MiB:,.0f}"
 
 
 def rank_summary(run: dict, r: dict) -> dict:
@@ -67,16 +63,16 @@ chunk 1 (kernel compilation or cache loads) in brackets; MLP and indexer: device
 
 def summary_cells(s: dict) -> list[str]:
     ws = "-" if s["workspace_min"] is None else (
-        f"{s['workspace_min'] / MiB:,.0f}" if s["workspace_min"] == s["workspace_max"]
-        else f"{s['workspace_min'] / MiB:,.0f}-{s['workspace_max'] / MiB:,.0f}")
+        fmt_mib(s['workspace_min']) if s["workspace_min"] == s["workspace_max"]
+        else f"{fmt_mib(s['workspace_min'])}-{fmt_mib(s['workspace_max'])}")
     if s["workspace_ok"] is False:
         ws += " FAIL"
     nccl_own = None if s["pg_outside"] is None else s["pg_outside"] + (s["allreduce_outside"] or 0)
     via = None if s["pg_allocator"] is None else s["pg_allocator"] + (s["allreduce_allocator"] or 0)
-    return [s["allocator"], str(s["world_size"]), str(s["rank"]), _mib(s["first_chunk"]),
-            _mib(s["at_headline"]), _mib(s["peak"]), _mib(s["loop_growth"]), ws,
+    return [s["allocator"], str(s["world_size"]), str(s["rank"]), fmt_mib(s["first_chunk"]),
+            fmt_mib(s["at_headline"]), fmt_mib(s["peak"]), fmt_mib(s["loop_growth"]), ws,
             "-" if s["workspace_device_calls"] is None else str(s["workspace_device_calls"]),
-            _mib(nccl_own), _mib(via), f"{s['steps_s']:.2f} ({s['first_step_s']:.2f})",
+            fmt_mib(nccl_own), fmt_mib(via), f"{s['steps_s']:.2f} ({s['first_step_s']:.2f})",
             f"{s['mlp_s']:.2f}",
             f"{s['indexer_s']:.2f}", f"{s['mlp_rel_err']:.2e}" + ("" if s["mlp_ok"] else " FAIL"),
             f"{s['index_min_agreement']:.4f}" + ("" if s["index_ok"] else " FAIL")]

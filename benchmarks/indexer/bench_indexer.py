@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from alloc.units import MiB  # noqa: E402
 from arena_tools import allocators  # noqa: E402  (neither imports torch: --smoke and --arena come first)
 from benchmarks import harness  # noqa: E402
 
@@ -468,16 +469,16 @@ class Bench:
         self.row(tag, "everything else (wall - kernels)", other * 1e3, "ms", "of wall",
                  other / wall, "< 5%", other / wall < 0.05)
         self.row(tag, "host time a call (median)", host_per_call * 1e3, "ms")
-        self.row(tag, f"pieces (max {stats.max_piece_bytes / 2**20:.1f} MiB)", stats.pieces,
+        self.row(tag, f"pieces (max {stats.max_piece_bytes / MiB:.1f} MiB)", stats.pieces,
                  "pieces")
         if not self.smoke:
-            taken = (mem0["free"] - mem1["free"]) / 2**20
+            taken = (mem0["free"] - mem1["free"]) / MiB
             self.row(tag, "device memory taken by the 1st pass", taken, "MiB",
                      "cudaMemGetInfo")
             self.row(tag, "peak allocated over the 1st pass",
-                     (mem1["peak_allocated"] - mem0["allocated"]) / 2**20, "MiB")
+                     (mem1["peak_allocated"] - mem0["allocated"]) / MiB, "MiB")
             self.row(tag, "peak reserved over the 1st pass",
-                     (mem1["peak_reserved"] - mem0["reserved"]) / 2**20, "MiB")
+                     (mem1["peak_reserved"] - mem0["reserved"]) / MiB, "MiB")
             res["device_memory_taken_mib"] = taken
         key = "prefill_arena" if arena_installed else "prefill"
         self.results[key] = res

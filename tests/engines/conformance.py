@@ -125,11 +125,11 @@ def host_install(device: FakeDevice):
         return config
 
     def workspace_pool(index=None):
-        pool = plugin._installed.pools.get(0)
+        pool = plugin._installed.scope.pools.get(0)
         if pool is None:
             plugin._reserve_arena(0)
             device.transient(plugin.pool_segment_bytes())  # the priming block, freed at once
-            pool = plugin._installed.pools[0] = object()
+            pool = plugin._installed.scope.pools[0] = object()
         return pool
 
     plugin.install = install

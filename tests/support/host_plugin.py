@@ -9,8 +9,9 @@ def install_on_host(config, scope: str = "process") -> None:
     from alloc import plugin
     from alloc._core import ffi, lib
     c = ffi.new("ia_plugin_config_t *")
-    c.scope = {"process": lib.IA_SCOPE_PROCESS, "workspace": lib.IA_SCOPE_WORKSPACE}[scope]
+    chosen = plugin._SCOPE_TYPES[scope]()
+    c.scope = chosen.code
     c.budget, c.alignment, c.unified, c.host_memory, c.expandable = config.budget_bytes, 256, 0, 1, 0
     if lib.ia_plugin_configure(c) != lib.IA_OK:
         raise RuntimeError("the C core refused the configuration: a device already has arenas")
-    plugin._installed = plugin._Installed(config, scope, None, (c,))
+    plugin._installed = plugin._Installed(config, chosen, (c,))

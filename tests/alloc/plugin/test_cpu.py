@@ -160,3 +160,52 @@ def test_a_device_whose_driver_cannot_map_pages_says_why():
     from alloc.plugin import mapping_refusal
     why = mapping_refusal(0, cudart="")
     assert why and "libcuda" in why, why
+
+
+SCOPE_DISPATCH = """
+import json
+import alloc
+from alloc import plugin
+from tests.support.host_plugin import install_on_host
+out = {}
+try:
+    alloc.workspace_pool(0)
+except alloc.InstallError as e:
+    out["pool_before"] = str(e)
+SCOPE = {scope!r}
+install_on_host(alloc.Config(budget_mb=4), SCOPE)
+out["scope"] = alloc.installed_scope()
+asked = []
+if SCOPE == "workspace":  # PyTorch's MemPool needs CUDA: record that reserve() asks for it
+    plugin.workspace_pool = lambda device=None: asked.append(device)
+else:
+    try:
+        alloc.workspace_pool(0)
+    except alloc.InstallError as e:
+        out["pool_after"] = str(e)
+alloc.reserve(0)
+out["asked"], out["reserved"] = asked, alloc.workspace_reserved(0)
+if SCOPE == "process":
+    with alloc.workspace():
+        out["in_workspace"] = alloc.in_workspace()
+    out["reserved_bytes"] = alloc.memory_reserved(0)
+    out["stats_reserved"] = alloc.memory_stats(0)["reserved_bytes.all.current"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("scope", ["process", "workspace"])
+def test_the_scope_chosen_at_install_decides_what_reserve_and_the_pool_do(scope):
+    import json
+    done = run_python(SCOPE_DISPATCH.replace("{scope!r}", repr(scope)))
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["scope"] == scope
+    assert out["pool_before"].endswith("the allocator is not installed")
+    if scope == "workspace":
+        # reserve() goes through the device's pool, which reserves the arena itself
+        assert out["asked"] == [0] and out["reserved"] is False
+        return
+    assert out["pool_after"].endswith("the allocator is installed in process scope")
+    assert out["asked"] == [] and out["reserved"] is True and out["in_workspace"] is True
+    assert out["reserved_bytes"] == out["stats_reserved"] == 4 << 20  # the core's counts
