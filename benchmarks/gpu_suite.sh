@@ -3,7 +3,7 @@
 # and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
-#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [decode-graphs] [indexer]
+#   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [alloc-memory] [decode-graphs] [indexer]
 #                           [indexer-goals] [topk] [replay] [tp] [torch-tests] [memory-viz]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
@@ -87,6 +87,9 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
       step torch_alloc $py benchmarks/alloc/bench_torch_alloc.py --json "$OUT/torch_alloc.json"
       step llama $py benchmarks/alloc/bench_llama.py --json "$OUT/llama.json"
       step arena_micro $py benchmarks/alloc/bench_arena.py --pairs 1000000 --repeats 5 --json "$OUT/arena_micro.json" ;;
+    alloc-memory)  # the memory figures alone (seed workload, decode graphs), without alloc-bench's timing rows
+      step seed_workload $py examples/seed_workload.py --json "$OUT/seed_workload.json"
+      step decode_graphs $py benchmarks/alloc/bench_decode_graphs.py --json "$OUT/decode_graphs.json" ;;
     decode-graphs) step decode_graphs $py benchmarks/alloc/bench_decode_graphs.py --json "$OUT/decode_graphs.json" ;;
     indexer) step indexer_bench $py benchmarks/indexer/bench_indexer.py --json "$OUT/indexer.json" ;;
     indexer-goals) step indexer_goals $py benchmarks/indexer/bench_indexer.py --no-sweep \
