@@ -55,7 +55,11 @@ void _ia_assert_fail(const char *cond, const char *file, int line) {
 
 /* ---- free classes (the size classes are in internal.h) ---------------------------------------- */
 
+/* Every free block passes here once its size is set, whole or cut (a split's tail, the part before
+ * an alloc_at, what unmapping pages leaves): it keeps the requested bytes of the allocation last
+ * freed into it, as PyTorch's snapshot shows a free block, cut to what the block now holds. */
 void _ia_bin_insert(ia_arena_t *a, block_t *b) {
+  if (b->requested > b->size) b->requested = b->size;
   _ia_file_class(b);
   unsigned fl = b->fl, sl = b->sl;
   b->free_prev = NULL;

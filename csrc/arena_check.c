@@ -37,6 +37,8 @@ static bool check_free_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, si
   bool found = false;
   for (block_t *x = a->bins[fl][sl]; x && !found; x = x->free_next) found = x == b;
   CHECK(found, "free block %#lx missing from its class", (unsigned long)b->addr);
+  CHECK(b->requested <= b->size, "free block %#lx says %llu bytes were requested of its %llu",
+        (unsigned long)b->addr, (unsigned long long)b->requested, (unsigned long long)b->size);
   w->free_bytes += b->size;
   w->free_count++;
   count_split(a, b, w);
@@ -49,6 +51,8 @@ broken:
 static bool check_live_block(ia_arena_t *a, block_t *b, walk_t *w, char *msg, size_t msg_len) {
   CHECK(_ia_table_find(&a->table, b->addr) == b, "live block %#lx missing from the live table",
         (unsigned long)b->addr);
+  CHECK(b->requested <= b->size, "live block %#lx says %llu bytes were requested of its %llu",
+        (unsigned long)b->addr, (unsigned long long)b->requested, (unsigned long long)b->size);
   w->in_use += b->size;
   w->requested += b->requested;
   w->live++;

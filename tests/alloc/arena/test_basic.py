@@ -241,3 +241,30 @@ def test_host_backend_limit_is_a_device_size():
         with pytest.raises(ArenaOutOfMemory, match="could not reserve"):
             a.allocate(MiB)
         assert a.stats()["backend_failures"] == 1
+
+
+@pytest.mark.parametrize("limit, served", [(3 * MiB, True), (3 * MiB - 1, False), (3 * MiB + 1, True),
+                                           (2 * MiB + 1, False)])
+def test_a_limit_that_is_not_a_whole_number_of_regions_is_not_passed_by_a_byte(limit, served):
+    with Arena(0, growable=True, region_min=MiB, region_round=MiB, region_exact_above=MiB, limit=limit) as a:
+        a.allocate(MiB)
+        a.allocate(MiB)
+        if served:
+            a.allocate(MiB)
+            assert a.stats()["capacity"] == 3 * MiB
+        else:
+            with pytest.raises(ArenaOutOfMemory, match="limit"):
+                a.allocate(MiB)
+            assert a.stats()["capacity"] == 2 * MiB and a.stats()["requests_failed"] == 1
+
+
+def test_the_device_totals_limit_is_not_passed_by_a_byte(tmp_path):
+    """tests/support/stress/limit_check.c: the same edges for the limit of a group of arenas (the
+    device totals' limit, which set_per_process_memory_fraction sets and the CPU cannot reach)."""
+    import subprocess
+
+    from tests.csrc.test_harnesses import build_harness
+    exe, built = build_harness(tmp_path, ["-O1"], harness="limit_check")
+    assert built.returncode == 0, built.stderr
+    done = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr

@@ -100,6 +100,7 @@ class ArenaMachine(RuleBasedStateMachine):
         used = [(b.address, b.size, b.requested) for b in self.arena.blocks() if b.state == "used"]
         assert {a: size for a, size, _ in used} == self.live
         assert {a: requested for a, _, requested in used} == self.requested
+        assert all(b.requested <= b.size for b in self.arena.blocks())  # free blocks too
 
 
 TestArenaMachine = ArenaMachine.TestCase

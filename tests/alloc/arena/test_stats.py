@@ -240,3 +240,45 @@ def test_a_rounded_request_takes_the_rounded_block_and_counts_its_own_bytes_as_r
     # PyTorch's roundup_power2_divisions reaches the core as a reserve over the request
     done = fresh_python(ROUNDED)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("order", ["larger first", "smaller first"])
+def test_the_largest_free_block_is_the_largest_of_its_size_class_whatever_the_order_freed(order):
+    """Two free blocks of one size class (100 KiB and 100 KiB + 256 bytes; a class spans 2 KiB
+    there), the rest of the arena live: largest_free is the larger, whichever was freed last (a bin
+    lists its blocks in the order they came, so its first block need not be its largest)."""
+    with Arena(MiB, 256) as a:
+        big, small = 100 * KiB + 256, 100 * KiB
+        p = a.allocate(big)
+        a.allocate(256)
+        q = a.allocate(small)
+        a.allocate(256)
+        a.allocate(a.stats()["free_bytes"])  # the rest, so that no other block is free
+        for block in ((p, q) if order == "larger first" else (q, p)):
+            a.free(block)
+        s = a.stats()
+        assert s["free_blocks"] == 2 and s["free_bytes"] == big + small
+        assert s["largest_free"] == big
+        assert s["fragmentation"] == pytest.approx(1 - big / (big + small), rel=1e-12)
+        a.check()
+
+
+def test_a_split_leaves_its_free_tail_at_most_its_own_size_requested():
+    """A free block keeps the requested bytes of the allocation last freed into it (as PyTorch's
+    snapshot shows); a split hands its head out and the free tail keeps that figure, cut to the
+    tail's own size: no block, free or live, says more bytes were asked of it than it holds."""
+    with Arena(MiB, 256) as a:
+        p = a.allocate(300 * KiB - 5)
+        a.allocate(256)
+        a.free(p)
+        (freed,) = [b for b in a.blocks() if b.address == p]
+        assert freed.state == "free" and freed.requested == 300 * KiB - 5
+        head = a.allocate(100 * KiB)  # from p's block, the better fit
+        assert head == p
+        (tail,) = [b for b in a.blocks() if b.address == p + 100 * KiB]
+        assert tail.state == "free" and tail.size == 200 * KiB and tail.requested == 200 * KiB
+        a.allocate(50 * KiB + 3)  # the tail splits again: its tail keeps the cut figure, cut again
+        (rest,) = [b for b in a.blocks() if b.address == p + 150 * KiB + 256]
+        assert rest.state == "free" and rest.requested == rest.size == 150 * KiB - 256
+        assert all(b.requested <= b.size for b in a.blocks())
+        a.check()
