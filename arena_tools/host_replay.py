@@ -40,12 +40,16 @@ def replay_host(trace: TraceFile, *, budget: int | None = None, alignment: int =
                                  "machine's memory: pass a smaller --budget-mb") from None
         return a
 
+    # The recorded streams by index: a host arena needs their identity only, and a recorded handle
+    # may be any 64-bit value, the core's "no stream" (2**64 - 1) among them.
+    ids = {s: i for i, s in enumerate(plan.streams)}
+
     def allocate(size, device, pool, stream):
         a = arena(device, pool)
-        return a, a.allocate(size, stream)
+        return a, a.allocate(size, ids[stream])
 
     def free(handle, stream):
-        handle[0].free(handle[1], stream)
+        handle[0].free(handle[1], ids[stream])
 
     peak_sum = 0
 
