@@ -60,6 +60,10 @@ MAX_CHUNKS = 20_000
 row per chunk, so a plan of more (1 token per chunk of a long prompt: millions) would run for hours
 and print a table nobody reads; it is refused at once, naming the chunk size that fits. At the
 bound the model takes seconds and the table a minute."""
+MAX_PIECES = 1_000_000
+"""The most logits pieces a check replays: the work itself, which the chunk bound does not bound (a
+20,000-chunk plan whose budget holds one row per piece is 64 million pieces, hours of replay).
+About five seconds of replay on a 2-core machine; a plan of more is refused at once."""
 
 
 def cdiv(a: int, b: int) -> int:
@@ -267,6 +271,26 @@ class FitReport:
         }
 
 
+def count_pieces(prompt_tokens: int, chunk_tokens: int, compress_ratio: int, budget_bytes: int) -> int:
+    """The logits pieces of the prefill, counted a chunk at a time (as ``_chunks`` cuts them)."""
+    total, start = 0, 0
+    while start < prompt_tokens:
+        tokens = min(chunk_tokens, prompt_tokens - start)
+        per_piece = budget_bytes // (logits_width(start + tokens, compress_ratio) * 4)
+        total += cdiv(tokens, max(per_piece, 1))
+        start += tokens
+    return total
+
+
+def _check_pieces(prompt_tokens: int, chunk_tokens: int, compress_ratio: int, budget_bytes: int) -> None:
+    pieces = count_pieces(prompt_tokens, chunk_tokens, compress_ratio, budget_bytes)
+    if pieces > MAX_PIECES:
+        raise ConfigError("budget_mb", budget_bytes // MiB,
+                          "a larger budget (fewer rows to a piece) or a shorter prompt",
+                          reason=f"the prefill cuts into {pieces:,} logits pieces, more than the "
+                                 f"{MAX_PIECES:,} a fit check replays")
+
+
 def _available_from_host() -> tuple[int, str]:
     try:
         from alloc.hostmem import available_bytes
@@ -312,6 +336,7 @@ def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: i
         raise ConfigError("budget_mb", budget_mb, f"at least {cdiv(row, MiB)} MiB",
                           reason=f"one row of the logits at max_model_len ({max_model_len:,} "
                                  f"tokens, compress ratio {compress_ratio}) takes {row:,} bytes")
+    _check_pieces(prompt_tokens, chunk_tokens, compress_ratio, budget_mb * MiB)
     if available_bytes is None:
         available_bytes, source = _available_from_host()
     else:
