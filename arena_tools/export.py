@@ -525,7 +525,7 @@ def sniff(path: str | os.PathLike) -> str:
     """'snapshot' (a pickle), 'report' (JSON) or 'csv', from the first bytes of the file."""
     with open(path, "rb") as f:
         head = f.read(64)
-    if head[:1] == b"\x80":
+    if head[:1] == b"\x80" or os.fspath(path).endswith((".pickle", ".pkl")):  # a pickle, if broken
         return "snapshot"
     if head.lstrip()[:1] == b"{":
         return "report"

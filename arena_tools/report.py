@@ -37,6 +37,7 @@ from alloc.errors import ArenaError
 from alloc.records import Event
 from alloc.units import MAX_DEVICES, MAX_SIZE, bound_name, fmt_bytes, is_count, is_int_in, output_width
 
+from . import prog
 from .arena_report import FORMAT_1, FORMAT_1_NAMES, REPORT_FORMAT, live_report, pool_order
 
 
@@ -260,8 +261,7 @@ def _pct(x: float) -> str:
 def render_text(report: dict, summary: list[dict], *, title: str = "memory report", width: int = 160,
                 notes: Sequence[str] = ()) -> str:
     """Readable tables: one row per arena, then each arena's free-block histogram and top holders."""
-    from rich.console import Console
-    from rich.table import Table
+    from .textout import Console, Table
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     budget = report.get("budget", 0)
@@ -421,7 +421,7 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arena_tools report", description=(
+    p = argparse.ArgumentParser(prog=prog("report"), description=(
         "Memory report of a saved report, snapshot or trace: per device and arena, capacity, in use, "
         "free, largest free block, fragmentation, free-block histogram and largest live blocks."))
     p.add_argument("source", help="a JSON report (e.g. written on out-of-memory), a snapshot pickle or "
