@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="BYTES",
                    help="KV cache per token, all layers (default: from --model, else 0)")
     m.add_argument("--kv-cache-memory", type=byte_count, default=None, metavar="BYTES",
-                   help="KV cache per GPU, as vLLM's flag (default: one max-model-len sequence)")
+                   help="KV cache per GPU, as vLLM's flag (default: as vLLM sizes it, the rest of "
+                        "--gpu-memory-utilization after the weights and one budget of profiled logits)")
     m.add_argument("--device-memory-mb", type=float, default=None, metavar="MIB",
                    help="the device's memory (default: the GPU's total; host memory on unified "
                         "memory or without a GPU)")
@@ -494,7 +495,8 @@ def _resolve(args, parser) -> tuple[int | None, dict]:
         raise ValueError("--weights-gib and --kv-bytes-per-token must not be negative")
     memory = serving_available(device, args.gpu_memory_utilization, args.tensor_parallel_size,
                                weights_bytes=weights, kv_cache_bytes=args.kv_cache_memory,
-                               kv_bytes_per_token=per_token, max_model_len=args.max_model_len)
+                               kv_bytes_per_token=per_token, max_model_len=args.max_model_len,
+                               profiled_bytes=args.budget_mb * MiB)
     memory.update(device_source=source, **({"model_config": model["config"]} if model else {}))
     return memory["available_bytes"], memory
 
@@ -514,8 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
     if memory:
-        report = replace(report, available_source="--gpu-memory-utilization of the device, less "
-                                                  "the weights and KV cache")
+        report = replace(report, available_source="the device's memory less the weights and KV cache")
     if args.plot:
         try:
             write_plot(report, args.plot)

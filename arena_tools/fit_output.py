@@ -27,10 +27,10 @@ def summary_lines(report) -> list[str]:
     m = report.memory
     lines = [f"available to the workspace: {_mib(report.available_bytes)} ({report.available_source})"]
     if m.get("device_bytes"):
-        lines.append(f"  = {m['gpu_memory_utilization']:g} x {_mib(m['device_bytes'])} "
-                     f"(--gpu-memory-utilization x {m.get('device_source', 'the device')}) "
-                     f"- {_mib(m['weights_bytes_per_gpu'])} weights - {_mib(m['kv_cache_bytes_per_gpu'])} "
-                     f"KV cache a GPU (tensor parallel {m['tensor_parallel_size']})")
+        lines.append(f"  = {_mib(m['device_bytes'])} ({m.get('device_source', 'the device')}) - "
+                     f"{_mib(m['weights_bytes_per_gpu'])} weights - {_mib(m['kv_cache_bytes_per_gpu'])} "
+                     f"KV cache a GPU (tensor parallel {m['tensor_parallel_size']}; KV cache: "
+                     f"{m['kv_cache_sized_by']}, --gpu-memory-utilization {m['gpu_memory_utilization']:g})")
     general = report.arena_peak - report.budget_bytes
     segments = max(r.default_segments for r in report.steps)
     decode = report.decode

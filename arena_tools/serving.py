@@ -128,24 +128,36 @@ def _weights_on_disk(folder: str) -> int | None:
 
 def serving_available(device_bytes: int, utilization: float, tensor_parallel: int, *,
                       weights_bytes: int = 0, kv_cache_bytes: int | None = None,
-                      kv_bytes_per_token: int = 0, max_model_len: int = 0) -> dict:
-    """What vLLM leaves the indexer's workspace on each GPU: ``utilization`` of the device's memory
-    (--gpu-memory-utilization) less this GPU's share of the weights (split over
-    --tensor-parallel-size) and of the KV cache: --kv-cache-memory when given (per GPU, as vLLM
-    takes it), else the least vLLM starts with, one sequence of max_model_len tokens."""
+                      kv_bytes_per_token: int = 0, max_model_len: int = 0,
+                      profiled_bytes: int = 0) -> dict:
+    """What vLLM leaves the indexer's workspace on each GPU: the device's memory less this GPU's
+    share of the weights (split over --tensor-parallel-size) and its KV cache.
+
+    The KV cache is --kv-cache-memory when given (per GPU, as vLLM takes it). Otherwise vLLM sizes
+    it as ``utilization`` of the device (--gpu-memory-utilization) less the weights and the peak
+    its profile run saw, whose indexer logits are one budget (``profiled_bytes``: vLLM 0.33 sets
+    aside a dummy logits buffer of VLLM_SPARSE_INDEXER_MAX_LOGITS_MB): the workspace then has that
+    budget plus the share the engine leaves the system, ``(1 - utilization)`` of the device. A KV
+    cache that cannot hold one sequence of max_model_len tokens (``kv_bytes_per_token``) is one
+    vLLM refuses to start with."""
     if not 0 < utilization <= 1:
         raise ConfigError("gpu_memory_utilization", utilization, "a fraction in (0, 1]")
     check_int("tensor_parallel_size", tensor_parallel, 1, "a positive number of GPUs")
     weights = cdiv(weights_bytes, tensor_parallel)
-    kv = kv_cache_bytes if kv_cache_bytes is not None else cdiv(
-        kv_bytes_per_token * max_model_len, tensor_parallel)
-    limit = int(device_bytes * utilization)
-    left = limit - weights - kv
-    if left <= 0:
+    share = int(device_bytes * utilization)
+    kv = kv_cache_bytes if kv_cache_bytes is not None else share - weights - profiled_bytes
+    least = cdiv(kv_bytes_per_token * max_model_len, tensor_parallel)
+    if kv <= 0 or kv < least:
         raise RuntimeError(
-            f"the weights ({mib(weights)} a GPU) and KV cache ({mib(kv)} a GPU) take all of "
-            f"{utilization:g} of {mib(device_bytes)} ({mib(limit)}): nothing is left for the "
-            "indexer's workspace; raise --gpu-memory-utilization or --tensor-parallel-size")
+            f"the KV cache gets {mib(max(kv, 0))} a GPU ({utilization:g} of {mib(device_bytes)} less "
+            f"{mib(weights)} of weights and {mib(profiled_bytes)} of profiled logits), less than one "
+            f"{max_model_len:,}-token sequence needs ({mib(least)}): vLLM would not start; raise "
+            "--gpu-memory-utilization or --tensor-parallel-size, or lower --max-model-len")
+    left = device_bytes - weights - kv
+    if left <= 0:
+        raise RuntimeError(f"the weights ({mib(weights)} a GPU) and KV cache ({mib(kv)}) take all of "
+                           f"{mib(device_bytes)}: nothing is left for the indexer's workspace")
     return {"device_bytes": device_bytes, "gpu_memory_utilization": utilization,
             "tensor_parallel_size": tensor_parallel, "weights_bytes_per_gpu": weights,
-            "kv_cache_bytes_per_gpu": kv, "available_bytes": left}
+            "kv_cache_bytes_per_gpu": kv, "kv_cache_sized_by": "given" if kv_cache_bytes is not None
+            else "vLLM: the rest of the engine's share after the profile run", "available_bytes": left}

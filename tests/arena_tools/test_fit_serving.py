@@ -32,19 +32,23 @@ def test_vllm_flag_names_and_the_memory_arithmetic(capsys):
             "--gpu-memory-utilization", "0.8", "--weights-gib", "4", "--tensor-parallel-size", "2",
             "--kv-bytes-per-token", "1000"]
     code, data = run_json(argv, capsys)
-    expected = int(20_000 * MiB * 0.8) - 2 * GiB - 1000 * 100_000 // 2
-    assert data["available_bytes"] == expected and data["workload"]["chunk_tokens"] == 4096
+    # vLLM gives the KV cache the rest of 0.8 of the device after the weights (2 GiB a GPU) and the
+    # 512 MiB of logits its profile run saw: the workspace has those 512 MiB and the other 0.2.
+    kv = int(20_000 * MiB * 0.8) - 2 * GiB - 512 * MiB
+    assert data["available_bytes"] == 20_000 * MiB - 2 * GiB - kv and data["workload"]["chunk_tokens"] == 4096
     m = data["memory"]
-    assert (m["weights_bytes_per_gpu"], m["kv_cache_bytes_per_gpu"], m["tensor_parallel_size"]) == \
-        (2 * GiB, 50_000_000, 2)
+    assert (m["weights_bytes_per_gpu"], m["kv_cache_bytes_per_gpu"], m["tensor_parallel_size"]) == (2 * GiB, kv, 2)
     code, data = run_json([*argv, "--kv-cache-memory", "3Gi"], capsys)  # per GPU, as vLLM's flag
-    assert data["available_bytes"] == int(20_000 * MiB * 0.8) - 2 * GiB - 3 * GiB
+    assert data["available_bytes"] == 20_000 * MiB - 2 * GiB - 3 * GiB
 
 
-def test_weights_and_kv_cache_that_leave_nothing_is_one_line(capsys):
+def test_a_kv_cache_short_of_one_sequence_is_one_line(capsys):
     assert main(["--device-memory-mb", "10000", "--weights-gib", "9"]) == 2
     [line] = capsys.readouterr().err.splitlines()
-    assert "nothing is left for the indexer's workspace" in line and "--gpu-memory-utilization" in line
+    assert "vLLM would not start" in line and "--gpu-memory-utilization" in line
+    assert main(["--device-memory-mb", "80000", "--kv-bytes-per-token", "100000", "--kv-cache-memory", "1Gi"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "less than one 254,000-token sequence needs (24,223.3 MiB)" in line
 
 
 @pytest.mark.parametrize("flag, value", [("--gpu-memory-utilization", "1.5"), ("--gpu-memory-utilization", "0"),
@@ -72,7 +76,7 @@ def test_a_models_config_gives_the_weights_and_kv_cache_per_token(tmp_path, caps
     assert info["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2 and info["weights_bytes"] == 1234 * MiB
     code, data = run_json(["--model", llama, "--device-memory-mb", "80000"], capsys)
     assert data["workload"]["max_model_len"] == 131_072 == data["workload"]["prompt_tokens"]
-    assert data["memory"]["kv_cache_bytes_per_gpu"] == 131_072 * 131_072
+    assert data["memory"]["kv_cache_bytes_per_gpu"] == int(80_000 * MiB * 0.9) - 1234 * MiB - 512 * MiB
     assert data["memory"]["weights_bytes_per_gpu"] == 1234 * MiB
 
 
@@ -138,8 +142,12 @@ def test_available_memory_is_the_gpus_on_a_discrete_gpu_and_the_hosts_on_unified
 
 def test_serving_available_splits_over_tensor_parallel():
     m = serving_available(100 * GiB, 0.5, 4, weights_bytes=40 * GiB, kv_bytes_per_token=4096,
-                          max_model_len=1 << 20)
-    assert m["available_bytes"] == 50 * GiB - 10 * GiB - 1 * GiB
+                          max_model_len=1 << 20, profiled_bytes=GiB)
+    assert m["kv_cache_bytes_per_gpu"] == 50 * GiB - 10 * GiB - GiB
+    assert m["available_bytes"] == 100 * GiB - 10 * GiB - 39 * GiB
+    with pytest.raises(RuntimeError, match=r"less than one 1,048,576-token sequence needs \(1,024.0 MiB\)"):
+        serving_available(100 * GiB, 0.5, 4, weights_bytes=40 * GiB, kv_cache_bytes=GiB - 1,
+                          kv_bytes_per_token=4096, max_model_len=1 << 20)
 
 
 def test_progress_on_a_terminal_only(monkeypatch):
