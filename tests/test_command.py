@@ -129,3 +129,51 @@ def test_tables_wrap_numbers_instead_of_cutting_them(rich):
     assert max(map(len, out.splitlines())) <= 30 and "…" not in out, out
     digits = sum(ch.isdigit() for ch in "12,345,678,901.5 98,765,432.1 1,234,567,890,123")
     assert sum(ch.isdigit() for ch in out) == digits, out  # every digit is there: folded, not cut
+
+
+def _in_use(argv) -> int:
+    import json
+    done = as_installed("report", *argv, "--json", "-")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    return sum(s["in_use"] for s in data["summary"])
+
+
+def test_report_at_the_peak_as_well_as_at_the_end(tmp_path):
+    with open(SEED_TRACE) as f:
+        largest = max(int(line.split(",")[4]) for line in f.read().splitlines()[1:])
+    assert largest == 536_870_400  # one piece at a time: the peak is the largest, near the budget
+    assert _in_use([SEED_TRACE]) == 0  # every piece freed at the end
+    assert _in_use([SEED_TRACE, "--at", "peak"]) == largest
+    snapshot = tmp_path / "seed.pickle"
+    assert as_installed("convert", SEED_TRACE, str(snapshot)).returncode == 0
+    assert _in_use([str(snapshot), "--at", "peak"]) == largest
+    done = as_installed("report", SEED_REPORT, "--at", "peak")
+    assert done.returncode == 2 and "--at peak takes a CSV trace or a snapshot pickle" in done.stderr
+
+
+def test_the_peak_prefix_ends_at_the_first_highest_moment():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from alloc.records import Event
+    from arena_tools.report import peak_prefix
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.booleans(), st.integers(0, 5), st.integers(1, 1 << 20)), max_size=60))
+    def check(ops):
+        events, live, held, history = [], {}, 0, [0]
+        for is_alloc, slot, size in ops:
+            if is_alloc and slot not in live:
+                live[slot] = size
+                held += size
+                events.append(Event(0, 0, "alloc", 4096 * (slot + 1), size, 0, 0, "workspace"))
+            elif not is_alloc and slot in live:
+                held -= live.pop(slot)
+                events.append(Event(0, 0, "free", 4096 * (slot + 1), size, 0, 0, "workspace"))
+            else:
+                continue
+            history.append(held)
+        cut, best = peak_prefix(events)
+        assert best == max(history) and history[cut] == best and best not in history[:cut]
+    check()
