@@ -177,3 +177,31 @@ def test_the_peak_prefix_ends_at_the_first_highest_moment():
         cut, best = peak_prefix(events)
         assert best == max(history) and history[cut] == best and best not in history[:cut]
     check()
+
+
+def _main_job(*argv):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    env.pop("INDEXER_ARENA_CONF", None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "examples", "seed_workload.py"), *argv],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_the_main_job_without_a_gpu_tells_the_story_first():
+    pytest.importorskip("torch")
+    done = _main_job()
+    if "No CUDA device here" not in done.stdout:
+        pytest.skip("this machine has CUDA: the main job compares the allocators on it")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert done.stdout.startswith("The seed workload: the sparse-attention indexer's logits")
+    assert "PyTorch's default allocator would hold 14,034 MiB by the end of the prefill" in text
+    assert "27 times the 512 MiB the arena is given; the arena holds 514 MiB" in text
+    assert "crosses it at chunk 50 (160,000 tokens)" in text
+    assert "verdict for the default allocator: DOES NOT FIT" in text and "verdict for the arena allocator: FITS" in text
+    assert "rows/piece" not in text  # the per-chunk table only with --chunks
+    chunks = _main_job("--chunks")
+    assert chunks.returncode == 0 and "rows/piece" in chunks.stdout
+    assert chunks.stdout.index("verdict for the default") < chunks.stdout.index("rows/piece")
+    other = _main_job("--allocators", "default,arena")
+    assert other.returncode == 0 and other.stdout.startswith("The seed workload")
+    assert "(--allocators default,arena: each allocator runs on a GPU only)" in other.stdout
