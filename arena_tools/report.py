@@ -450,7 +450,7 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
     from .host_replay import replay_host
     from .plan import workspace_budget
     budget, why = workspace_budget(trace, budget)
-    result = replay_host(trace, budget=budget, keep_report=True, progress=False)
+    result = replay_host(trace, budget=budget, keep_report=True, progress=sys.stderr.isatty())
     return result["report"], trace.events, notes + [
         f"a CSV trace holds no arena state: this is the state its {len(trace.events)} events leave in "
         f"the host-backed arena (workspace budget {fmt_bytes(budget)}: {why})"]

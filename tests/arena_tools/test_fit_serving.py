@@ -168,3 +168,17 @@ def test_progress_on_a_terminal_only(monkeypatch):
         "update": lambda self, done: seen.append(done), "close": lambda self: None})())
     fit(254_000, 3_200, 4, 512, 254_000, 1 << 40, progress=True)
     assert seen == list(range(1, 81))
+
+
+@pytest.mark.parametrize("columns", [60, 100])
+def test_the_table_fits_the_terminal_by_wrapping(columns, monkeypatch, capsys):
+    import sys
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(["--available-mb", "8192", "--max-num-seqs", "0"]) == 1
+    import re
+    out = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)  # a terminal's colours
+    table = out[:out.index("available to the workspace")]
+    assert max(map(len, table.splitlines())) <= columns and "…" not in table
+    # every row's figures are there, folded: chunk 80's 14,066.0 MiB among them
+    assert "".join(table.split()).count("MiB") >= 3 * 80
