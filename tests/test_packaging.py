@@ -91,6 +91,12 @@ def _link_distributions(names: set[str], folder: pathlib.Path) -> None:
                 (folder / top).symlink_to(root / top)
 
 
+def _fresh_env(**extra) -> dict:
+    """The environment a fresh venv's commands see: nothing of this checkout (no PYTHONPATH)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INDEXER_ARENA_CONF")}
+    return {**env, **extra}
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(installed):
     """A new virtual environment with the wheel installed without extras: its one dependency,
@@ -99,16 +105,17 @@ def fresh_venv(installed):
     tmp, _ = installed
     [wheel] = (tmp / "dist").glob("indexer_arena-*.whl")
     venv = tmp / "venv"
-    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
+    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True,
+                          env=_fresh_env())
     assert made.returncode == 0, made.stderr
     py = venv / "bin" / "python"
     site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True).stdout.strip()
+                          capture_output=True, text=True, env=_fresh_env()).stdout.strip()
     needs = ["cffi"] + (["torch"] if _has("torch") else [])
     _link_distributions(_distribution_closure(needs), tmp / "deps")
     pathlib.Path(site, "deps.pth").write_text(str(tmp / "deps") + "\n")
     done = subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheel)],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=_fresh_env())
     assert done.returncode == 0, done.stderr[-3000:]
     return venv
 
@@ -131,8 +138,9 @@ def test_the_wheels_tags_and_license(installed):
 def test_a_fresh_venv_without_extras_runs_every_command(fresh_venv, installed):
     tmp, _ = installed
     bin_ = fresh_venv / "bin"
-    assert subprocess.run([bin_ / "python", "-c", "import rich"], capture_output=True).returncode != 0
-    assert subprocess.run([bin_ / "python", "-c", "import matplotlib"], capture_output=True).returncode != 0
+    for extra in ("rich", "matplotlib"):
+        assert subprocess.run([bin_ / "python", "-c", f"import {extra}"], capture_output=True,
+                              env=_fresh_env()).returncode != 0, extra
     trace = ROOT / "examples" / "seed_report" / "trace.csv"
     runs = [(["--version"], (0,), "indexer-arena 0.1.0"),
             (["fit", "--available-mb", "8192"], (1,), "verdict for the arena allocator: FITS"),
@@ -145,8 +153,7 @@ def test_a_fresh_venv_without_extras_runs_every_command(fresh_venv, installed):
             (["keys"], (0,), "budget_mb")]
     if _has("torch"):  # these two read the installed torch: without it there is nothing to run
         runs += [(["devices"], (0, 1), "CUDA device"), (["build-shim"], (0,), "oom")]
-    env = {**os.environ, "INDEXER_ARENA_CACHE": str(tmp / "cache")}
-    env.pop("INDEXER_ARENA_CONF", None)
+    env = _fresh_env(INDEXER_ARENA_CACHE=str(tmp / "cache"))
     for argv, codes, expect in runs:
         done = subprocess.run([bin_ / "indexer-arena", *argv], capture_output=True, text=True, cwd=tmp,
                               env=env, timeout=600)
