@@ -459,7 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mib_flag(parser, name: str, value: float | None) -> int | None:
+def _mib_flag(name: str, value: float | None) -> int | None:
     if value is None:
         return None
     if not 0 < value < float(1 << 44):  # a finite number of MiB the byte count can hold
@@ -467,7 +467,7 @@ def _mib_flag(parser, name: str, value: float | None) -> int | None:
     return max(1, round(value * MiB))
 
 
-def _resolve(args, parser) -> tuple[int | None, dict]:
+def _resolve(args) -> tuple[int | None, dict]:
     """Fills the defaults that follow from what was given; returns (available bytes or None,
     how they were found)."""
     from alloc.config import from_env
@@ -482,10 +482,10 @@ def _resolve(args, parser) -> tuple[int | None, dict]:
         args.max_model_len = int(model.get("max_position_embeddings") or SEED["prompt_tokens"])
     if args.prompt_tokens is None:
         args.prompt_tokens = args.max_model_len
-    available = _mib_flag(parser, "--available-mb", args.available_mb)
+    available = _mib_flag("--available-mb", args.available_mb)
     if available is not None:
         return available, {}
-    device = _mib_flag(parser, "--device-memory-mb", args.device_memory_mb)
+    device = _mib_flag("--device-memory-mb", args.device_memory_mb)
     device, source = (device, "given") if device else device_memory()
     weights = (round(args.weights_gib * (1 << 30)) if args.weights_gib is not None
                else model.get("weights_bytes") or 0)
@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:  # argparse exits 0 for --help and 2 for its own errors
         return 0 if e.code in (0, None) else 2
     try:
-        available, memory = _resolve(args, parser)
+        available, memory = _resolve(args)
         report = fit(args.max_model_len, args.chunk_tokens, args.compress_ratio, args.budget_mb,
                      args.prompt_tokens, available, topk=args.topk, allocator=args.allocator,
                      max_num_seqs=args.max_num_seqs, memory=memory, progress=True)
