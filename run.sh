@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One entry point that sets everything up on a fresh machine and then runs the job asked for.
 #   ./run.sh main    the seed workload: on a GPU, every allocator side by side; on the CPU, the
-#                    host-backed arena simulation of the same workload and the pre-launch fit check
+#                    story (the fit check's verdicts for the seed's H200 and GB10), then the
+#                    host-backed arena simulation (--chunks: the per-chunk table)
 #   ./run.sh tests   the test suite (GPU tests run where CUDA is, and are skipped elsewhere)
 #   ./run.sh engines the engine conformance suite: the engine plugin against the released vLLM
 #                    and SGLang wheels, each in an environment of its own under .engines/ (several

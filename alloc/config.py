@@ -83,7 +83,7 @@ class Key:
         return "none" if self.default is None else str(self.default)
 
 
-# The one table of the configuration: Config's fields, `python -m alloc keys` and the README's
+# The one table of the configuration: Config's fields, `python -m alloc keys` and docs/configuration.md's
 # table (describe_keys, markdown_keys) all come from it.
 KEYS: dict[str, Key] = {k.name: k for k in (
     Key("budget_mb", _int_in(1, MAX_MIB, "must be greater than zero"), "a positive integer number of MiB",
@@ -101,6 +101,10 @@ KEYS: dict[str, Key] = {k.name: k for k in (
         "record allocation events in a ring of this many entries (0: off)", 0),
     Key("oom_report", _path, "a file path",
         "on out-of-memory, write the memory report there and name it in the error", None),
+    Key("trace_file", _path, "a file path",
+        "at the process's exit, write the allocation trace there as RMM's CSV log (Device and Pool "
+        "columns added; indexer-arena convert makes it a memory_viz snapshot); recording starts "
+        "at install, in a ring of `trace` events (1048576 when trace is 0)", None),
     Key("expandable", _choice("auto", "on", "off"), "auto, on or off",
         "process scope: each general pool is one address range whose 2 MiB pages are mapped as "
         "blocks need them and unmapped by torch.cuda.empty_cache(), as PyTorch's "
@@ -118,13 +122,14 @@ class Config:
     meminfo: str = KEYS["meminfo"].default
     trace: int = KEYS["trace"].default
     oom_report: str | None = KEYS["oom_report"].default
+    trace_file: str | None = KEYS["trace_file"].default
     expandable: str = KEYS["expandable"].default
 
     def __post_init__(self):
         """Every field is checked as the environment's text would be, whatever made the Config."""
         for name, key in KEYS.items():
             value = getattr(self, name)
-            if name == "oom_report" and value is None:
+            if value is None and key.default is None:  # a path key left off
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, str)):
                 raise ConfigError(name, value, key.accepted, "arguments", f"a {type(value).__name__}")
@@ -214,6 +219,6 @@ def describe_keys() -> str:
 
 
 def markdown_keys() -> str:
-    """The README's table of the keys."""
+    """The table of the keys in docs/configuration.md."""
     rows = [f"| `{k.name}` | {k.shown_default} | {k.doc}; {k.accepted} |" for k in KEYS.values()]
     return "\n".join(["| key | default | meaning |", "|---|---|---|", *rows])

@@ -122,10 +122,14 @@ def load(engine: Engine, environ: Mapping[str, str] | None = None) -> str | None
 
 def refuse(logger: str, message: str):
     """Ends the process with one line: logged at ERROR through the engine's logger and raised as
-    SystemExit, which vLLM does not catch and SGLang's ``except Exception`` does not swallow; the
-    interpreter prints its message alone, without a traceback."""
+    SystemExit, which vLLM does not catch and SGLang's ``except Exception`` does not swallow. The
+    line is printed once: by the logger, or (logging switched off) by the interpreter, as the
+    SystemExit's message, without a traceback."""
     line = f"indexer-arena: {message}"
-    logging.getLogger(logger).error(line)
+    log = logging.getLogger(logger)
+    if log.isEnabledFor(logging.ERROR):  # printed by the engine's handlers, or logging's last resort
+        log.error(line)
+        raise SystemExit(1)  # the line is out: the interpreter must not print it a second time
     raise SystemExit(line)
 
 

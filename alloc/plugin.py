@@ -309,6 +309,9 @@ def _install(config: config_mod.Config, scope: _ProcessScope | _WorkspaceScope) 
         raise InstallError("the C core refused the configuration: a device already has arenas")
     if config.trace and lib.ia_plugin_trace_start(config.trace) != lib.IA_OK:
         raise InstallError(f"could not allocate a trace ring of {config.trace} events")
+    if config.trace_file:  # written at exit, as RMM's log file
+        from .ring import write_at_exit
+        write_at_exit(config.trace_file, config.trace)
     scope.put_in(torch)
     return _Installed(config, scope, (strings, c))
 

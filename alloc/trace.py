@@ -12,11 +12,8 @@ from collections.abc import Iterator
 
 from ._core import ffi, lib
 from .errors import ArenaError
-from .plugin import POOLS
 from .records import Event
-
-ACTIONS = {lib.IA_TRACE_ALLOC: "alloc", lib.IA_TRACE_FREE: "free", lib.IA_TRACE_FAIL: "fail",
-           lib.IA_TRACE_RESERVE: "reserve", lib.IA_TRACE_RELEASE: "release"}
+from .ring import ACTIONS, POOLS, read_events, write_at_exit  # noqa: F401 (the trace's API)
 
 
 class Trace:
@@ -56,14 +53,7 @@ class Trace:
 
     def events(self) -> tuple[list[Event], int]:
         """The held events, oldest first, and how many older ones the ring dropped."""
-        held = lib.ia_trace_read(self._handle, ffi.NULL, 0, ffi.NULL)
-        buf = ffi.new("ia_trace_event_t[]", max(held, 1))
-        dropped = ffi.new("uint64_t *")
-        held = min(held, lib.ia_trace_read(self._handle, buf, held, dropped))
-        events = [Event(int(e.time_ns), int(e.thread), ACTIONS[e.action], int(e.address), int(e.size),
-                        int(e.stream), int(e.device),
-                        POOLS[e.pool] if e.pool < len(POOLS) else str(e.pool)) for e in buf[0:held]]
-        return events, int(dropped[0])
+        return read_events(self._handle)
 
 
 def plugin_trace() -> Trace | None:
@@ -90,3 +80,4 @@ def tracing(capacity: int = 1 << 20) -> Iterator[Trace]:
         yield trace
     finally:
         trace.enable(False)
+

@@ -31,15 +31,13 @@ import io
 import os
 import pickle
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from alloc.records import STREAM_NONE, Event
+from alloc.records import (CSV_ACTIONS, EXTRA_COLUMNS, RMM_COLUMNS, STREAM_NONE,  # noqa: F401 (the CSV writer's home)
+                           Event, csv_lines, format_time, write_csv)
 from alloc.units import MAX_DEVICES, MAX_SIZE, U64_MAX, bound_name, bounded, is_count, is_int_in, whole_number
 
-RMM_COLUMNS = ("Thread", "Time", "Action", "Pointer", "Size", "Stream")
-EXTRA_COLUMNS = ("Device", "Pool")
-CSV_ACTIONS = {"alloc": "allocate", "free": "free", "fail": "allocate failure"}
 ACTION_OF_CSV = {v: k for k, v in CSV_ACTIONS.items()}
 GENERAL = "general"
 """Pool of an event whose source does not say which arena served it (RMM logs, PyTorch snapshots)."""
@@ -76,40 +74,10 @@ class TraceFile:
 
 
 # -- CSV ----------------------------------------------------------------------------------------------
-def format_time(time_ns: int) -> str:
-    """RMM's time column: local time of day, ``HH:MM:SS.ffffff``."""
-    return time.strftime("%H:%M:%S", time.localtime(time_ns // 10**9)) + f".{time_ns // 1000 % 10**6:06d}"
-
-
 def time_of_day_ns(time_ns: int) -> int:
     """What a CSV keeps of a CLOCK_REALTIME time: nanoseconds since local midnight, to the µs."""
     t = time.localtime(time_ns // 10**9)
     return ((t.tm_hour * 60 + t.tm_min) * 60 + t.tm_sec) * 10**9 + time_ns // 1000 % 10**6 * 1000
-
-
-def csv_lines(events: Iterable[Event], *, extended: bool = True) -> Iterable[str]:
-    """The CSV text, one line at a time (newline included)."""
-    yield ",".join(RMM_COLUMNS + (EXTRA_COLUMNS if extended else ())) + "\n"
-    live: dict[tuple[int, int], int] = {}
-    for e in events:
-        action = CSV_ACTIONS.get(e.action)
-        if action is None:  # reserve / release: not in RMM's vocabulary
-            continue
-        size = e.size
-        if e.action == "alloc":
-            live[(e.device, e.address)] = e.size
-        elif e.action == "free":
-            size = live.pop((e.device, e.address), e.size)
-        address = 0 if e.action == "fail" else e.address
-        line = f"{e.thread},{format_time(e.time_ns)},{action},{address:#x},{size},{e.stream:#x}"
-        if extended:
-            line += f",{e.device},{e.pool}"
-        yield line + "\n"
-
-
-def write_csv(events: Iterable[Event], path: str | os.PathLike, *, extended: bool = True) -> None:
-    with open(path, "w", newline="") as f:
-        f.writelines(csv_lines(events, extended=extended))
 
 
 def _count(text: str, base: int = 10, high: int = U64_MAX) -> int:
@@ -525,7 +493,7 @@ def sniff(path: str | os.PathLike) -> str:
     """'snapshot' (a pickle), 'report' (JSON) or 'csv', from the first bytes of the file."""
     with open(path, "rb") as f:
         head = f.read(64)
-    if head[:1] == b"\x80":
+    if head[:1] == b"\x80" or os.fspath(path).endswith((".pickle", ".pkl")):  # a pickle, if broken
         return "snapshot"
     if head.lstrip()[:1] == b"{":
         return "report"

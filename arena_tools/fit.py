@@ -35,35 +35,40 @@ allocator model: the C core's general pools use PyTorch's segment sizes (2 MiB s
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 from alloc.config import flag_value
 from alloc.errors import ConfigError
 from alloc.units import MiB
 
-from .allocators import ALLOCATORS as TABLE
+from . import prog
+from .fit_output import ALLOCATORS, print_table, summary_lines, write_plot  # noqa: F401 (fit's API)
 from .paths import unwritable
+from .serving import byte_count, cdiv, device_memory, model_from_config, serving_available
+from .serving import check_int as _check_int
+from .textout import Ticker
 from .torch_model import CachingAllocatorModel, ModelOutOfMemory
 
-LOGITS, TOPK, BOUNDS = "logits", "topk", "bounds"
-ALLOCATORS = tuple(TABLE[n].name for n in ("default", "arena"))
-"""The allocators the check models: PyTorch's caching allocator as it ships, and the arena."""
+LOGITS, TOPK, BOUNDS, OUTSIDE = "logits", "topk", "bounds", "outside"
 
 SEED = dict(max_model_len=262_144, chunk_tokens=3_200, compress_ratio=4, budget_mb=512,
             prompt_tokens=254_000)
 """The measured seed workload; max_model_len is any length that admits the prompt."""
+DEFAULT_MAX_NUM_SEQS = 256
+"""vLLM's --max-num-seqs default: the decode step's sequences, each row max_model_len wide."""
 MAX_CHUNKS = 20_000
 """The most chunks a check models: a 10-million-token prompt in 512-token chunks. The report is a
 row per chunk, so a plan of more (1 token per chunk of a long prompt: millions) would run for hours
 and print a table nobody reads; it is refused at once, naming the chunk size that fits. At the
 bound the model takes seconds and the table a minute."""
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+MAX_PIECES = 1_000_000
+"""The most logits pieces a check replays: the work itself, which the chunk bound does not bound (a
+20,000-chunk plan whose budget holds one row per piece is 64 million pieces, hours of replay).
+About five seconds of replay on a 2-core machine; a plan of more is refused at once."""
 
 
 def logits_width(seen: int, compress_ratio: int) -> int:
@@ -76,7 +81,7 @@ def logits_width(seen: int, compress_ratio: int) -> int:
 class Alloc:
     key: str  # unique in the workload; the matching Free names it
     nbytes: int
-    kind: str  # LOGITS (the workspace), TOPK or BOUNDS
+    kind: str  # LOGITS (the workspace), TOPK, BOUNDS or OUTSIDE (logits larger than the budget)
 
     @property
     def workspace(self) -> bool:
@@ -110,14 +115,9 @@ class ChunkPlan:
 
     @property
     def label(self) -> str:
+        if not self.tokens:
+            return f"decode step ({self.pieces[0]:,} sequences)"
         return f"chunk {self.index} ({self.seen:,} tokens)"
-
-
-def _check_int(name: str, value: object, minimum: int, accepted: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ConfigError(name, value, accepted, reason="not an integer")
-    if value < minimum:
-        raise ConfigError(name, value, accepted, reason=f"below {minimum}")
 
 
 def seed_workload(prompt_tokens: int, chunk_tokens: int, compress_ratio: int, budget_bytes: int,
@@ -166,6 +166,18 @@ def _chunks(prompt_tokens: int, chunk_tokens: int, compress_ratio: int, budget_b
         start += tokens
 
 
+def decode_step(prompt_tokens: int, max_model_len: int, max_num_seqs: int, budget_bytes: int,
+                index: int) -> ChunkPlan:
+    """One decode step of ``max_num_seqs`` sequences after the prefill: DeepGEMM's paged logits,
+    float32 ``[max_num_seqs, max_model_len]`` in one piece (alloc/engines.py's
+    ``paged_logits_bytes``): inside the workspace when the budget holds it, else served outside
+    the arena by the engine's allocator, as the plugin does."""
+    nbytes = max_num_seqs * max_model_len * 4
+    logits = Alloc("decode.logits", nbytes, LOGITS if nbytes <= budget_bytes else OUTSIDE)
+    return ChunkPlan(index, prompt_tokens, 0, max_model_len, max_num_seqs, (max_num_seqs,),
+                     (logits, Free(logits.key)))
+
+
 def replay(model: CachingAllocatorModel, chunks: Iterable[ChunkPlan], *,
            workspace: bool = True, general: bool = True) -> list[int]:
     """Runs the chunks' events through ``model``; returns each chunk's peak reserved bytes.
@@ -198,7 +210,7 @@ def replay(model: CachingAllocatorModel, chunks: Iterable[ChunkPlan], *,
 class ChunkRow:
     chunk: int
     tokens: int  # seen once this chunk is done
-    chunk_tokens: int
+    chunk_tokens: int  # 0: the decode step
     width: int
     rows_per_piece: int
     pieces: int
@@ -218,25 +230,35 @@ class FitReport:
     topk: int
     available_bytes: int
     available_source: str
-    allocator: str  # the allocator the verdict is for
-    rows: tuple[ChunkRow, ...]
+    allocator: str  # the allocator the verdict (and the exit status) is for
+    rows: tuple[ChunkRow, ...]  # the prefill's chunks
     default_crossing: int | None  # first chunk whose default_bytes exceed the available memory
     arena_crossing: int | None
+    decode: ChunkRow | None = None  # the decode step after the prefill (max_num_seqs rows)
+    memory: dict = field(default_factory=dict)  # how the available memory was worked out
+
+    @property
+    def steps(self) -> tuple[ChunkRow, ...]:
+        """The prefill's chunks, then the decode step."""
+        return self.rows + ((self.decode,) if self.decode else ())
 
     @property
     def default_peak(self) -> int:
-        return max(r.default_bytes for r in self.rows)
+        return max(r.default_bytes for r in self.steps)
 
     @property
     def arena_peak(self) -> int:
-        return max(r.arena_bytes for r in self.rows)
+        return max(r.arena_bytes for r in self.steps)
+
+    def fits_with(self, allocator: str) -> bool:
+        return (self.default_crossing if allocator == "default" else self.arena_crossing) is None
 
     @property
     def fits(self) -> bool:
-        return (self.default_crossing if self.allocator == "default" else self.arena_crossing) is None
+        return self.fits_with(self.allocator)
 
     def row(self, chunk: int) -> ChunkRow:
-        return self.rows[chunk - 1]
+        return self.steps[chunk - 1]
 
     def row_at(self, tokens: int) -> ChunkRow:
         """The chunk that processes token number ``tokens`` (counting from 1)."""
@@ -252,43 +274,46 @@ class FitReport:
         return {
             "workload": {"max_model_len": self.max_model_len, "chunk_tokens": self.chunk_tokens,
                          "compress_ratio": self.compress_ratio, "budget_bytes": self.budget_bytes,
-                         "prompt_tokens": self.prompt_tokens, "topk": self.topk},
+                         "prompt_tokens": self.prompt_tokens, "topk": self.topk,
+                         "max_num_seqs": self.decode.rows_per_piece if self.decode else 0},
             "available_bytes": self.available_bytes,
             "available_source": self.available_source,
+            "memory": self.memory,
             "allocator": self.allocator,
             "fits": self.fits,
-            "default": {"peak_bytes": self.default_peak,
-                        "peak_segments": max(r.default_segments for r in self.rows),
+            "default": {"fits": self.fits_with("default"), "peak_bytes": self.default_peak,
+                        "peak_segments": max(r.default_segments for r in self.steps),
                         **crossing(self.default_crossing)},
-            "arena": {"workspace_bytes": self.budget_bytes,
+            "arena": {"fits": self.fits_with("arena"), "workspace_bytes": self.budget_bytes,
                       "general_peak_bytes": self.arena_peak - self.budget_bytes,
                       "peak_bytes": self.arena_peak, **crossing(self.arena_crossing)},
             "chunks": [asdict(r) for r in self.rows],
+            "decode": asdict(self.decode) if self.decode else None,
         }
 
 
-def _available_from_host() -> tuple[int, str]:
-    try:
-        from alloc.hostmem import available_bytes
-    except ImportError as e:
-        raise RuntimeError("cannot read this machine's available memory (alloc.hostmem: "
-                           f"{e}); pass available_bytes (--available-mb)") from None
-    try:
-        return int(available_bytes()), "this machine (alloc.hostmem.available_bytes)"
-    except (OSError, RuntimeError) as e:  # BackendError is a RuntimeError
-        raise RuntimeError(f"cannot read this machine's available memory: {e}; pass "
-                           "available_bytes (--available-mb)") from None
+def count_pieces(prompt_tokens: int, chunk_tokens: int, compress_ratio: int, budget_bytes: int) -> int:
+    """The logits pieces of the prefill, counted a chunk at a time (as ``_chunks`` cuts them)."""
+    total, start = 0, 0
+    while start < prompt_tokens:
+        tokens = min(chunk_tokens, prompt_tokens - start)
+        per_piece = budget_bytes // (logits_width(start + tokens, compress_ratio) * 4)
+        total += cdiv(tokens, max(per_piece, 1))
+        start += tokens
+    return total
 
 
-def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: int,
-        prompt_tokens: int, available_bytes: int | None = None, *, topk: int = 2048,
-        allocator: str = "default") -> FitReport:
-    """Replays the prefill of ``prompt_tokens`` through a model of PyTorch's default caching
-    allocator and through the arena, against ``available_bytes`` (None: read from this machine).
+def _check_pieces(prompt_tokens: int, chunk_tokens: int, compress_ratio: int, budget_bytes: int) -> None:
+    pieces = count_pieces(prompt_tokens, chunk_tokens, compress_ratio, budget_bytes)
+    if pieces > MAX_PIECES:
+        raise ConfigError("budget_mb", budget_bytes // MiB,
+                          "a larger budget (fewer rows to a piece) or a shorter prompt",
+                          reason=f"the prefill cuts into {pieces:,} logits pieces, more than the "
+                                 f"{MAX_PIECES:,} a fit check replays")
 
-    The verdict (``FitReport.fits``) is for ``allocator``: 'default' fits when the default
-    allocator never holds more than is available, 'arena' when the arena never does.
-    """
+
+def _check_arguments(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: int,
+                     prompt_tokens: int, topk: int, max_num_seqs: int, allocator: str) -> None:
     _check_int("max_model_len", max_model_len, 1, "a positive number of tokens")
     _check_int("chunk_tokens", chunk_tokens, 1, "a positive number of tokens")
     _check_int("compress_ratio", compress_ratio, 1, "a positive integer")
@@ -300,6 +325,7 @@ def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: i
                           f"a positive number of tokens no larger than max_model_len "
                           f"({max_model_len:,})", reason="longer than max_model_len")
     _check_int("topk", topk, 0, "a non-negative number of keys per query (0: no per-piece output)")
+    _check_int("max_num_seqs", max_num_seqs, 0, "a non-negative number of sequences (0: no decode step)")
     if cdiv(prompt_tokens, chunk_tokens) > MAX_CHUNKS:
         raise ConfigError("chunk_tokens", chunk_tokens,
                           f"at least {cdiv(prompt_tokens, MAX_CHUNKS):,} tokens for a {prompt_tokens:,}-token prompt",
@@ -312,140 +338,167 @@ def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: i
         raise ConfigError("budget_mb", budget_mb, f"at least {cdiv(row, MiB)} MiB",
                           reason=f"one row of the logits at max_model_len ({max_model_len:,} "
                                  f"tokens, compress ratio {compress_ratio}) takes {row:,} bytes")
+    _check_pieces(prompt_tokens, chunk_tokens, compress_ratio, budget_mb * MiB)
+
+
+def fit(max_model_len: int, chunk_tokens: int, compress_ratio: int, budget_mb: int,
+        prompt_tokens: int, available_bytes: int | None = None, *, topk: int = 2048,
+        allocator: str = "default", max_num_seqs: int = 0, memory: dict | None = None,
+        progress: bool = False) -> FitReport:
+    """Replays the prefill of ``prompt_tokens`` (and, with ``max_num_seqs``, one decode step of
+    that many sequences) through a model of PyTorch's default caching allocator and through the
+    arena, against ``available_bytes`` (None: this device's memory, see ``device_memory``).
+
+    The verdict (``FitReport.fits``) is for ``allocator``: 'default' fits when the default
+    allocator never holds more than is available, 'arena' when the arena never does; both are in
+    the report (``fits_with``). ``memory`` is kept in the report: how ``available_bytes`` was found.
+    """
+    _check_arguments(max_model_len, chunk_tokens, compress_ratio, budget_mb, prompt_tokens, topk,
+                     max_num_seqs, allocator)
     if available_bytes is None:
-        available_bytes, source = _available_from_host()
+        available_bytes, source = device_memory()
     else:
         _check_int("available_bytes", available_bytes, 1, "a positive number of bytes")
         source = "given"
-
     budget = budget_mb * MiB
+    plans = seed_workload(prompt_tokens, chunk_tokens, compress_ratio, budget, topk)
+    rows = _replay_rows(plans, budget, cdiv(prompt_tokens, chunk_tokens), progress,
+                        lambda n: decode_step(prompt_tokens, max_model_len, max_num_seqs, budget, n)
+                        if max_num_seqs else None)
+    decode = rows.pop() if max_num_seqs else None
+
+    def first(over) -> int | None:
+        steps = rows + ([decode] if decode else [])
+        return next((r.chunk for r in steps if over(r) > available_bytes), None)
+
+    return FitReport(max_model_len, chunk_tokens, compress_ratio, budget, prompt_tokens, topk,
+                     available_bytes, source, allocator, tuple(rows),
+                     first(lambda r: r.default_bytes), first(lambda r: r.arena_bytes), decode,
+                     dict(memory or {}))
+
+
+def _replay_rows(plans: Iterable[ChunkPlan], budget: int, chunks: int, progress: bool,
+                 decode) -> list[ChunkRow]:
+    """A row per chunk (and the decode step last, when ``decode(index)`` makes one)."""
     default, general = CachingAllocatorModel(), CachingAllocatorModel()
+    ticker = Ticker("fit: replaying chunk", chunks) if progress else None
     rows = []
-    for plan in seed_workload(prompt_tokens, chunk_tokens, compress_ratio, budget, topk):
+
+    def add(plan: ChunkPlan) -> None:
         [default_peak] = replay(default, [plan])
         [general_peak] = replay(general, [plan], workspace=False)
         rows.append(ChunkRow(plan.index, plan.seen, plan.tokens, plan.width, plan.rows_per_piece,
                              len(plan.pieces), plan.piece_bytes, default_peak,
                              default.num_segments, budget + general_peak))
-
-    def first(over) -> int | None:
-        return next((r.chunk for r in rows if over(r) > available_bytes), None)
-
-    return FitReport(max_model_len, chunk_tokens, compress_ratio, budget, prompt_tokens, topk,
-                     available_bytes, source, allocator, tuple(rows),
-                     first(lambda r: r.default_bytes), first(lambda r: r.arena_bytes))
-
-
-# -- output -----------------------------------------------------------------------------------------
-def _mib(n: int) -> str:
-    return f"{n / MiB:,.1f} MiB"
-
-
-def _where(report: FitReport, chunk: int | None) -> str:
-    if chunk is None:
-        return "never crosses the available memory"
-    return f"first crosses the available memory at chunk {chunk} ({report.row(chunk).tokens:,} tokens)"
-
-
-def print_table(report: FitReport, file=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    file = file or sys.stdout
-    # Off a terminal rich assumes 80 columns, which folds the table; a terminal keeps its own.
-    console = Console(file=file, width=None if file.isatty() else 120)
-    table = Table(title=f"fit: {report.prompt_tokens:,}-token prompt in "
-                        f"{report.chunk_tokens:,}-token chunks, compress ratio "
-                        f"{report.compress_ratio}, budget {_mib(report.budget_bytes)}, "
-                        f"available {_mib(report.available_bytes)}")
-    for name in ("chunk", "tokens", "width", "rows/piece", "pieces", "logits piece",
-                 "default holds", "arena holds", "crossing"):
-        table.add_column(name, justify="left" if name == "crossing" else "right")
-    for r in report.rows:
-        over = r.default_bytes > report.available_bytes
-        note = "default crosses" if r.chunk == report.default_crossing else ""
-        if r.chunk == report.arena_crossing:
-            note = (note + ", " if note else "") + "arena crosses"
-        table.add_row(str(r.chunk), f"{r.tokens:,}", f"{r.width:,}", f"{r.rows_per_piece:,}",
-                      str(r.pieces), _mib(r.piece_bytes), _mib(r.default_bytes),
-                      _mib(r.arena_bytes), note, style="red" if over else None)
-    console.print(table)
-    general = report.arena_peak - report.budget_bytes
-    segments = max(r.default_segments for r in report.rows)
-    for line in (
-            f"available: {_mib(report.available_bytes)} ({report.available_source})",
-            f"default caching allocator: peak {_mib(report.default_peak)} in "
-            f"{segments} segment{'' if segments == 1 else 's'}; "
-            f"{_where(report, report.default_crossing)}",
-            f"arena: {_mib(report.budget_bytes)} workspace + {_mib(general)} general path "
-            f"({'top-k outputs, ' if report.topk else ''}bounds) = {_mib(report.arena_peak)}; "
-            f"{_where(report, report.arena_crossing)}",
-            f"verdict for the {report.allocator} allocator: "
-            + ("[green]FITS[/green]" if report.fits else "[red]DOES NOT FIT[/red]")):
-        console.print(line, soft_wrap=True)  # whole lines, so that they can be grepped
-
-
-def write_plot(report: FitReport, path: str) -> None:
-    """Memory against tokens for both allocators, with the available memory, as a PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import StrMethodFormatter
-
-    # Each chunk's peak holds from its first token to its last: steps drawn on chunk ends.
-    x = [0] + [r.tokens for r in report.rows]
-    default = [r.default_bytes / MiB for r in report.rows]
-    arena = [r.arena_bytes / MiB for r in report.rows]
-    fig = Figure(figsize=(9, 5), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    ax.step(x, default[:1] + default, where="pre", label="PyTorch default caching allocator")
-    ax.step(x, arena[:1] + arena, where="pre", label="indexer-arena (budget + general path)")
-    ax.axhline(report.available_bytes / MiB, color="red", linestyle="--",
-               label=f"available ({_mib(report.available_bytes)})")
-    if report.default_crossing is not None:
-        row = report.row(report.default_crossing)
-        ax.axvline(row.tokens, color="red", linestyle=":", linewidth=1)
-        ax.annotate(f"default crosses at chunk {row.chunk}\n({row.tokens:,} tokens)",
-                    (row.tokens, report.available_bytes / MiB), textcoords="offset points",
-                    xytext=(-10, 10), ha="right")
-    ax.set_xlabel("prompt tokens processed")
-    ax.set_ylabel("memory held (MiB)")
-    ax.set_title(f"{report.chunk_tokens:,}-token chunks, compress ratio {report.compress_ratio}, "
-                 f"budget {_mib(report.budget_bytes)}, top-k {report.topk}")
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, format="png", metadata={"Title": "indexer-arena fit"})
+    for plan in plans:
+        add(plan)
+        if ticker:
+            ticker.update(plan.index)
+    if ticker:
+        ticker.close()
+    step = decode(len(rows) + 1)
+    if step is not None:
+        add(step)
+    return rows
 
 
 # -- command line -----------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m arena_tools fit",
-        description="Pre-launch fit check of the indexer's chunked prefill: per chunk, the logits "
-                    "piece, what PyTorch's default caching allocator would hold, what the arena "
-                    "holds, and where the default would cross the available memory. Exit status: "
-                    "0 fits, 1 does not fit, 2 bad arguments.")
-    p.add_argument("--max-model-len", type=int, default=SEED["max_model_len"], metavar="TOKENS")
-    p.add_argument("--chunk-tokens", type=int, default=SEED["chunk_tokens"], metavar="TOKENS",
-                   help=f"tokens per chunk; the prompt may take at most {MAX_CHUNKS:,} chunks")
-    p.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
-    p.add_argument("--budget-mb", type=int, default=None, metavar="MIB",
+        prog=prog("fit"),
+        description="Pre-launch fit check of a serving configuration's sparse-attention indexer: "
+                    "the chunked prefill of one prompt and a decode step, per chunk the logits piece, "
+                    "what PyTorch's default caching allocator would hold and what the arena holds, "
+                    "against the memory the engine leaves (flags named as vLLM's). Exit status: "
+                    "0 fits, 1 does not fit, 2 bad arguments; the verdict is --allocator's.")
+    g = p.add_argument_group("the workload (vLLM's flags where they mean the same)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help=f"longest sequence (default: the model config's max_position_embeddings "
+                        f"with --model, else the seed's {SEED['prompt_tokens']:,})")
+    g.add_argument("--prompt-tokens", type=int, default=None, metavar="TOKENS",
+                   help="the prompt whose prefill is checked (default: --max-model-len)")
+    g.add_argument("--max-num-batched-tokens", "--chunk-tokens", dest="chunk_tokens", type=int,
+                   default=SEED["chunk_tokens"], metavar="TOKENS",
+                   help=f"tokens per prefill chunk (default {SEED['chunk_tokens']:,}); "
+                        f"at most {MAX_CHUNKS:,} chunks and {MAX_PIECES:,} logits pieces")
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help="sequences in the decode step, whose logits are [N, max-model-len] "
+                        f"float32 (default {DEFAULT_MAX_NUM_SEQS}, vLLM's; 0: no decode step)")
+    g.add_argument("--compress-ratio", type=int, default=SEED["compress_ratio"], metavar="N")
+    g.add_argument("--budget-mb", type=int, default=None, metavar="MIB",
                    help="workspace budget (default: budget_mb of INDEXER_ARENA_CONF, as the "
                         "allocator would take it; 512 without one)")
-    p.add_argument("--prompt-tokens", type=int, default=SEED["prompt_tokens"], metavar="TOKENS")
-    p.add_argument("--available-mb", type=float, default=None, metavar="MIB",
-                   help="memory available to this workload (default: read from this machine)")
-    p.add_argument("--topk", type=int, default=2048, metavar="K",
+    g.add_argument("--topk", type=int, default=2048, metavar="K",
                    help="per-piece top-k output width; 0 when the indices go to a buffer made "
-                        "once (as in the measured run) (default: 2048)")
-    p.add_argument("--allocator", choices=ALLOCATORS, default="default",
-                   help="the allocator the verdict and exit status are for (default: default)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--plot", metavar="FILE", help="write memory against tokens as a PNG")
+                        "once, as vLLM does (default: 2048, the conservative gate)")
+    m = p.add_argument_group("the memory")
+    m.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the device's memory the engine takes (default 0.9, vLLM's)")
+    m.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="GPUs the weights and KV cache are split over (default 1)")
+    m.add_argument("--model", metavar="DIR", help="a model directory (or its config.json): weights "
+                   "and KV cache per token read from it")
+    m.add_argument("--weights-gib", type=float, default=None, metavar="GIB",
+                   help="the model's weights, all GPUs together (default: from --model, else 0)")
+    m.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="BYTES",
+                   help="KV cache per token, all layers (default: from --model, else 0)")
+    m.add_argument("--kv-cache-memory", type=byte_count, default=None, metavar="BYTES",
+                   help="KV cache per GPU, as vLLM's flag (default: as vLLM sizes it, the rest of "
+                        "--gpu-memory-utilization after the weights and one budget of profiled logits)")
+    m.add_argument("--device-memory-mb", type=float, default=None, metavar="MIB",
+                   help="the device's memory (default: the GPU's total; host memory on unified "
+                        "memory or without a GPU)")
+    m.add_argument("--available-mb", type=float, default=None, metavar="MIB",
+                   help="memory left to the workspace, given directly: skips the arithmetic above")
+    o = p.add_argument_group("the output")
+    o.add_argument("--allocator", choices=ALLOCATORS, default="default",
+                   help="the allocator the exit status is for (default: default, PyTorch's as it ships)")
+    o.add_argument("--summary", action="store_true", help="the verdicts only, without the per-chunk table")
+    o.add_argument("--json", action="store_true", help="print the report as JSON")
+    o.add_argument("--plot", metavar="FILE", help="write memory against tokens as a PNG (needs matplotlib)")
     return p
+
+
+def _mib_flag(name: str, value: float | None) -> int | None:
+    if value is None:
+        return None
+    if not 0 < value < float(1 << 44):  # a finite number of MiB the byte count can hold
+        raise ValueError(f"{name} must be a positive number of MiB, got {value}")
+    return max(1, round(value * MiB))
+
+
+def _resolve(args) -> tuple[int | None, dict]:
+    """Fills the defaults that follow from what was given; returns (available bytes or None,
+    how they were found)."""
+    from alloc.config import from_env
+    # as the allocator would take it: the flag, else the configuration
+    args.budget_mb = flag_value("budget_mb", "--budget-mb", args.budget_mb) or from_env().budget_mb
+    if args.plot and unwritable(args.plot, "--plot"):
+        raise ValueError(unwritable(args.plot, "--plot"))
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib, which is not installed: pip install matplotlib")
+    model = model_from_config(args.model) if args.model else {}
+    if args.max_model_len is None:
+        args.max_model_len = int(model.get("max_position_embeddings") or SEED["prompt_tokens"])
+    if args.prompt_tokens is None:
+        args.prompt_tokens = args.max_model_len
+    available = _mib_flag("--available-mb", args.available_mb)
+    if available is not None:
+        return available, {}
+    device = _mib_flag("--device-memory-mb", args.device_memory_mb)
+    device, source = (device, "given") if device else device_memory()
+    weights = (round(args.weights_gib * (1 << 30)) if args.weights_gib is not None
+               else model.get("weights_bytes") or 0)
+    per_token = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else \
+        model.get("kv_bytes_per_token", 0)
+    if weights < 0 or per_token < 0:
+        raise ValueError("--weights-gib and --kv-bytes-per-token must not be negative")
+    memory = serving_available(device, args.gpu_memory_utilization, args.tensor_parallel_size,
+                               weights_bytes=weights, kv_cache_bytes=args.kv_cache_memory,
+                               kv_bytes_per_token=per_token, max_model_len=args.max_model_len,
+                               profiled_bytes=args.budget_mb * MiB)
+    memory.update(device_source=source, **({"model_config": model["config"]} if model else {}))
+    return memory["available_bytes"], memory
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -454,29 +507,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse exits 0 for --help and 2 for its own errors
         return 0 if e.code in (0, None) else 2
-    from alloc.config import from_env
-    try:  # as the allocator would take it: the flag, else the configuration
-        args.budget_mb = flag_value("budget_mb", "--budget-mb", args.budget_mb) or from_env().budget_mb
-    except ValueError as e:  # ConfigError too
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        return 2
-    if args.plot and unwritable(args.plot, "--plot"):
-        print(f"{parser.prog}: error: {unwritable(args.plot, '--plot')}", file=sys.stderr)
-        return 2
-    available = None
-    if args.available_mb is not None:
-        if not 0 < args.available_mb < float(1 << 44):  # a finite number of MiB the byte count can hold
-            parser.print_usage(sys.stderr)
-            print(f"{parser.prog}: error: --available-mb must be a positive number of MiB, got "
-                  f"{args.available_mb}", file=sys.stderr)
-            return 2
-        available = max(1, round(args.available_mb * MiB))
     try:
+        available, memory = _resolve(args)
         report = fit(args.max_model_len, args.chunk_tokens, args.compress_ratio, args.budget_mb,
-                     args.prompt_tokens, available, topk=args.topk, allocator=args.allocator)
-    except (ValueError, RuntimeError) as e:
+                     args.prompt_tokens, available, topk=args.topk, allocator=args.allocator,
+                     max_num_seqs=args.max_num_seqs, memory=memory, progress=True)
+    except (ValueError, RuntimeError) as e:  # ConfigError too
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+    if memory:
+        report = replace(report, available_source="the device's memory less the weights and KV cache")
     if args.plot:
         try:
             write_plot(report, args.plot)
@@ -487,7 +527,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        print_table(report)
+        print_table(report, table=not args.summary)
     if args.plot:
         print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0 if report.fits else 1

@@ -93,8 +93,7 @@ class _progress_bar:
             return lambda done: self.progress(done, self.total)
         if not self.progress:
             return None
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeRemainingColumn)
+        from .textout import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeRemainingColumn(), transient=True)
         self.bar.start()

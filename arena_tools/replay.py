@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from alloc.config import flag_value
 from alloc.units import MiB, fmt_bytes, output_width
 
+from . import prog
 from .allocators import parse_names
 from .export import TraceFile, TraceFormatError, load_trace
 from .gpu_replay import GPU_ALLOCATORS, gpu_worker, run_worker
@@ -63,8 +64,7 @@ def render_table(results: list[dict], plan: Plan, trace: TraceFile, budget: int,
                  width: int = 150) -> str:
     import io
 
-    from rich.console import Console
-    from rich.table import Table
+    from .textout import Console, Table
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     console.print(f"trace {trace.path} ({trace.kind}): {plan.events} events, {len(plan.ops)} operations on "
@@ -107,7 +107,7 @@ def _allocator_list(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arena_tools replay", description=(
+    p = argparse.ArgumentParser(prog=prog("replay"), description=(
         "Replay an allocation trace under several allocators (each GPU one in a fresh process, and the "
         "host-backed arena on the CPU) and compare peak memory, failures and operations per second. "
         "Exit status: 0 every allocator replayed it with no more failures than were recorded, 1 one "
@@ -147,7 +147,7 @@ def _replay_all(names: list[str], trace: TraceFile, plan: Plan, budget: int, arg
     results = []
     progress = None
     if not args.no_progress and args.json != "-":
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from .textout import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
         progress = Progress(TextColumn("{task.description:>24}"), BarColumn(), MofNCompleteColumn(),
                             TimeRemainingColumn(), transient=False)
         progress.start()

@@ -37,6 +37,7 @@ from alloc.errors import ArenaError
 from alloc.records import Event
 from alloc.units import MAX_DEVICES, MAX_SIZE, bound_name, fmt_bytes, is_count, is_int_in, output_width
 
+from . import prog
 from .arena_report import FORMAT_1, FORMAT_1_NAMES, REPORT_FORMAT, live_report, pool_order
 
 
@@ -260,8 +261,7 @@ def _pct(x: float) -> str:
 def render_text(report: dict, summary: list[dict], *, title: str = "memory report", width: int = 160,
                 notes: Sequence[str] = ()) -> str:
     """Readable tables: one row per arena, then each arena's free-block histogram and top holders."""
-    from rich.console import Console
-    from rich.table import Table
+    from .textout import Console, Table
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     budget = report.get("budget", 0)
@@ -389,10 +389,39 @@ def save_live(directory: str | os.PathLike, *, top: int = 10, title: str = "memo
                          notes=notes)
 
 
+# -- the moment of the peak ---------------------------------------------------------------------------
+def peak_prefix(events: Sequence[Event]) -> tuple[int, int]:
+    """(n, bytes): the first ``n`` events end at the peak of the bytes live allocations hold, and
+    what they hold then (the first such moment). Frees of what the trace never allocated count 0."""
+    live: dict[tuple[int, int], int] = {}
+    held = best = cut = 0
+    for i, e in enumerate(events, 1):
+        if e.action == "alloc":
+            live[(e.device, e.address)] = e.size
+            held += e.size
+        elif e.action == "free":
+            held -= live.pop((e.device, e.address), 0)
+        if held > best:
+            best, cut = held, i
+    return cut, best
+
+
+def at_peak(trace):
+    """The trace cut at its peak (``peak_prefix``), with a note saying where that is."""
+    import dataclasses
+    cut, held = peak_prefix(trace.events)
+    note = (f"at the peak: the state after event {cut:,} of {len(trace.events):,}, when live "
+            f"allocations held {fmt_bytes(held)} (without --at peak: the state at the end)")
+    return dataclasses.replace(trace, events=trace.events[:cut], origins=trace.origins[:cut],
+                               kind="csv" if trace.kind == "snapshot" else trace.kind, snapshot=None), note
+
+
 # -- reading any source ------------------------------------------------------------------------------
-def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = False
+def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = False, at: str = "end"
          ) -> tuple[dict, list[Event], list[str]]:
-    """(report, events, notes) from a JSON report, a snapshot pickle or a CSV trace."""
+    """(report, events, notes) from a JSON report, a snapshot pickle or a CSV trace; ``at="peak"``:
+    the state when live allocations held the most (a trace's or snapshot's events replayed up to
+    then)."""
     from . import export
     try:
         kind = export.sniff(path)
@@ -406,22 +435,29 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
             raise ReportError(f"{path}: not valid JSON: {e}") from None
         except RecursionError:
             raise ReportError(f"{path}: nested too deeply to be a memory report") from None
+        if at == "peak":
+            raise ReportError(f"{path}: a JSON report holds one moment, not the events to find the "
+                              "peak in; --at peak takes a CSV trace or a snapshot pickle")
         return check_report(data, path), [], []
     trace = export.load_trace(path, allow_unknown_frees=allow_unknown_frees)
-    if kind == "snapshot":
+    notes = []
+    if at == "peak":
+        trace, note = at_peak(trace)
+        notes.append(note)
+    if kind == "snapshot" and at == "end":  # at the peak: its events replayed, as a CSV's
         return check_report(report_from_snapshot(trace.snapshot), path), trace.events, [
             f"arenas from the snapshot's segments ({len(trace.snapshot['segments'])})"]
     from .host_replay import replay_host
     from .plan import workspace_budget
     budget, why = workspace_budget(trace, budget)
-    result = replay_host(trace, budget=budget, keep_report=True, progress=False)
-    return result["report"], trace.events, [
+    result = replay_host(trace, budget=budget, keep_report=True, progress=sys.stderr.isatty())
+    return result["report"], trace.events, notes + [
         f"a CSV trace holds no arena state: this is the state its {len(trace.events)} events leave in "
         f"the host-backed arena (workspace budget {fmt_bytes(budget)}: {why})"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m arena_tools report", description=(
+    p = argparse.ArgumentParser(prog=prog("report"), description=(
         "Memory report of a saved report, snapshot or trace: per device and arena, capacity, in use, "
         "free, largest free block, fragmentation, free-block histogram and largest live blocks."))
     p.add_argument("source", help="a JSON report (e.g. written on out-of-memory), a snapshot pickle or "
@@ -433,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-mb", type=int, metavar="MIB", help="CSV traces: workspace budget of the host replay")
     p.add_argument("--allow-unknown-frees", action="store_true",
                    help="skip frees of pointers the trace never allocated (a trace that starts mid-run)")
+    p.add_argument("--at", choices=("end", "peak"), default="end",
+                   help="traces and snapshots: the state at the end (default) or at the peak of live bytes")
     return p
 
 
@@ -457,7 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         report, events, notes = load(args.source, budget=args.budget_mb << 20 if args.budget_mb else None,
-                                     allow_unknown_frees=args.allow_unknown_frees)
+                                     allow_unknown_frees=args.allow_unknown_frees, at=args.at)
     except (ReportError, TraceFormatError, ConfigError, ArenaError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

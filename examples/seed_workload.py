@@ -5,11 +5,13 @@ Each chunk's logits are float32 [rows, width] with width = cdiv(cdiv(tokens so f
 cut into pieces of at most budget // (width * 4) rows; each piece is allocated, filled, top-k'd
 and freed. With a GPU, every allocator runs the workload in a fresh process and the table shows,
 side by side, the device memory taken (cudaMemGetInfo delta from the first allocation on), the
-allocator's device calls and the wall time. Without one, the workspace runs on the host-backed
-arena (the same C core over host memory) beside the fit check's model of PyTorch's allocator.
+allocator's device calls and the wall time. Without one, it tells the story first (what PyTorch's
+allocator would hold on the seed's H200 against the arena's budget, and both verdicts for the
+seed's GB10 memory, from the fit check's model), then runs the workspace on the host-backed arena
+(the same C core over host memory); --chunks adds the fit check's per-chunk table.
 
     python examples/seed_workload.py [--allocators default,expandable,cuda-async,arena,arena-workspace]
-                                       [--prompt-tokens N] [--json FILE]
+                                       [--prompt-tokens N] [--chunks] [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ import json
 import sys
 import time
 
-from rich.console import Console
-from rich.table import Table
-
 from alloc.units import MiB, fmt_mib
 from arena_tools import allocators
 from arena_tools.allocators import ALLOCATORS
+from arena_tools.textout import Console, Table, terminal_columns
 
 TOPK = 2048
+GB10_AVAILABLE_MIB = 118_477
+"""A GB10's (DGX Spark) available memory as reported: /proc/meminfo's MemAvailable read 115.7 GiB
+(cudaMemGetInfo's free, which leaves out reclaimable page cache, 41.5 GiB)."""
+MEASURED_H200 = {"reserved_end_mib": 14_034, "device_end_mib": 14_124}
+"""The seed workload on one H200, torch 2.11 (benchmarks/RESULTS.md): torch.cuda.memory_reserved()
+and the device memory taken (cudaMemGetInfo) at the end of the prefill."""
 
 
 def workload(args):
@@ -122,18 +128,16 @@ def print_gpu_table(results: list[dict], console: Console) -> None:
                       f"-{max(c['device_bytes'] for c in arena['chunks']) / MiB:.0f} MiB")
 
 
-def simulate_on_host(args, console: Console) -> dict:
-    """No GPU: the workspace on the host-backed arena, every piece checked with canaries at both
-    ends, beside the modelled default allocator of the fit check."""
+def run_on_host_arena(args) -> dict:
+    """The workspace on the host-backed arena (the C core over host memory), every piece checked
+    with canaries at both ends; returns the arena's statistics and the wall time."""
     import ctypes
 
     from alloc import Arena
-    from arena_tools.fit import fit, print_table
-    plans = workload(args)
     budget = args.budget_mb * MiB
     start = time.perf_counter()
     with Arena(budget, backend="host", name="workspace arena (host)") as arena:
-        for plan in plans:
+        for plan in workload(args):
             for piece_rows in plan.pieces:
                 size = piece_rows * plan.width * 4
                 p = arena.allocate(size)
@@ -144,15 +148,62 @@ def simulate_on_host(args, console: Console) -> dict:
                 arena.free(p)
         stats = arena.stats()
         arena.check()
-    wall = time.perf_counter() - start
-    report = fit(max_model_len=max(args.prompt_tokens, 1), chunk_tokens=args.chunk_tokens,
-                 compress_ratio=args.compress_ratio, budget_mb=args.budget_mb,
-                 prompt_tokens=args.prompt_tokens)
-    print_table(report, file=sys.stdout)
-    console.print(f"host-backed arena: {len(plans)} chunks, {stats['blocks_allocated']} pieces served from "
-                  f"one {stats['capacity'] / MiB:.0f} MiB reservation ({stats['backend_reserves']} backend "
-                  f"call), peak in use {stats['in_use_peak'] / MiB:.0f} MiB, {wall:.2f} s")
-    return {"mode": "host simulation", "arena": stats, "fit": report.to_dict(), "wall_s": wall}
+    return {"stats": stats, "wall_s": time.perf_counter() - start}
+
+
+def story(args, report, gb10, host: dict) -> list[str]:
+    """What the main job says on a machine without a GPU, before any table."""
+    from arena_tools.fit import summary_lines
+    seed = (args.prompt_tokens, args.chunk_tokens, args.compress_ratio, args.budget_mb) == (254_000, 3_200, 4, 512)
+    held, budget = report.default_peak / MiB, args.budget_mb
+    crossing = gb10.row(gb10.default_crossing) if gb10.default_crossing else None
+    measured = (f" (measured on an H200, torch 2.11: {MEASURED_H200['reserved_end_mib']:,} MiB reserved, "
+                f"{MEASURED_H200['device_end_mib']:,} MiB of device memory)") if seed else ""
+    stats = host["stats"]
+    return [
+        f"The seed workload: the sparse-attention indexer's logits during the chunked prefill of a "
+        f"{args.prompt_tokens:,}-token prompt ({args.chunk_tokens:,}-token chunks, compress ratio "
+        f"{args.compress_ratio}), workspace budget {budget:,} MiB. No CUDA device here: PyTorch's "
+        "allocator is fit's model of it, the arena is its C core over host memory.",
+        "",
+        f"PyTorch's default allocator would hold {held:,.0f} MiB by the end of the prefill{measured}, "
+        f"{held / budget:.0f} times the {budget:,} MiB the arena is given; the arena holds "
+        f"{report.arena_peak / MiB:,.0f} MiB from the first chunk to the last.",
+        f"On the seed's GB10 (DGX Spark, {GB10_AVAILABLE_MIB:,} MiB available, vLLM's "
+        f"--gpu-memory-utilization 0.9), the workspace has {gb10.available_bytes / MiB:,.0f} MiB: "
+        + (f"PyTorch's allocator crosses it at chunk {crossing.chunk} ({crossing.tokens:,} tokens), where "
+           "unified memory's cudaMalloc does not fail and the worker hangs"
+           if crossing else "PyTorch's allocator stays within it") + ".",
+        *[line for line in summary_lines(gb10) if line.startswith("verdict")],
+        "",
+        f"The host-backed arena served the {stats['blocks_allocated']} pieces of {len(report.rows)} "
+        f"chunks from one {stats['capacity'] / MiB:.0f} MiB reservation ({stats['backend_reserves']} "
+        f"backend call), peak in use {stats['in_use_peak'] / MiB:.0f} MiB, every piece checked, in "
+        f"{host['wall_s'] * 1000:.0f} ms.",
+        "The same check for any configuration: indexer-arena fit --help. Per-chunk table: --chunks.",
+    ]
+
+
+def simulate_on_host(args, console: Console) -> dict:
+    """No GPU: the story (fit's model of PyTorch's allocator on the seed's machines) first, then
+    the workspace on the host-backed arena; the per-chunk table with --chunks."""
+    from arena_tools.fit import fit, print_table
+    from arena_tools.serving import serving_available
+    common = dict(max_model_len=args.prompt_tokens, chunk_tokens=args.chunk_tokens,
+                  compress_ratio=args.compress_ratio, budget_mb=args.budget_mb,
+                  prompt_tokens=args.prompt_tokens, topk=0, max_num_seqs=256)
+    memory = serving_available(GB10_AVAILABLE_MIB * MiB, 0.9, 1, profiled_bytes=args.budget_mb * MiB)
+    memory["device_source"] = "a GB10's MemAvailable"
+    gb10 = fit(**common, available_bytes=memory["available_bytes"], memory=memory)
+    report = fit(**common, available_bytes=1 << 50)
+    host = run_on_host_arena(args)
+    for line in story(args, report, gb10, host):
+        console.print(line)
+    if args.chunks:
+        console.print("")
+        print_table(gb10, file=sys.stdout, table=True)
+    return {"mode": "host simulation", "arena": host["stats"], "fit_gb10": gb10.to_dict(),
+            "wall_s": host["wall_s"]}
 
 
 def main() -> None:
@@ -164,6 +215,8 @@ def main() -> None:
     parser.add_argument("--compress-ratio", type=int, default=4)
     parser.add_argument("--budget-mb", type=int, default=512)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--chunks", action="store_true",
+                        help="without a GPU: fit's per-chunk table after the story")
     parser.add_argument("--worker", choices=list(ALLOCATORS), help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -179,16 +232,15 @@ def main() -> None:
     if args.worker:
         allocators.write_result(args.result, run_on_gpu(args))
         return
-    console = Console()
+    console = Console(width=terminal_columns(120))
     import torch
     if torch.cuda.is_available():
         results = compare_on_gpu(args)
         print_gpu_table(results, console)
     else:
-        chosen = ", ".join(args.allocators)
-        console.print("no CUDA device: simulating the workspace on the host-backed arena"
-                      + ("" if chosen == ",".join(ALLOCATORS) else f" (--allocators {chosen} needs a GPU)"))
         results = simulate_on_host(args, console)
+        if args.allocators != list(ALLOCATORS):
+            console.print(f"(--allocators {','.join(args.allocators)}: each allocator runs on a GPU only)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -75,11 +75,11 @@ def test_any_other_value_is_refused_naming_the_variable(value):
 
 
 def _one_line(stderr: str) -> str:
-    """The process ended with one message: the engine's logger and the interpreter print the
-    same line, and nothing else (no traceback)."""
-    lines = {line for line in stderr.splitlines() if line.strip()}
+    """The process ended with one message, printed once (through the engine's logger), and
+    nothing else (no traceback)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1, stderr
-    return lines.pop()
+    return lines[0]
 
 
 @needs_entry_points

@@ -388,9 +388,12 @@ def test_available_memory_of_this_machine(capsys):
     hostmem = pytest.importorskip("alloc.hostmem")
     assert main(["--json"]) in (0, 1)
     data = json.loads(capsys.readouterr().out)
-    assert data["available_source"] == "this machine (alloc.hostmem.available_bytes)"
+    memory = data["memory"]
+    assert memory["device_source"] == "this machine's available host memory (no CUDA device)"
     # MemAvailable moves between two readings; the order of magnitude does not.
-    assert 0.5 < data["available_bytes"] / hostmem.available_bytes() < 2
+    assert 0.5 < memory["device_bytes"] / hostmem.available_bytes() < 2
+    # vLLM's default utilization: the KV cache gets 0.9 of it less the 512 MiB of profiled logits
+    assert data["available_bytes"] == memory["device_bytes"] - (int(memory["device_bytes"] * 0.9) - 512 * MiB)
 
 
 def test_a_failing_hostmem_read_is_a_clear_error(monkeypatch, capsys):
@@ -426,7 +429,10 @@ def test_missing_hostmem_is_a_clear_error(monkeypatch, capsys):
 def test_exit_status_gates_a_launch(argv, code, capsys):
     assert main(argv) == code
     out = capsys.readouterr().out
-    assert ("DOES NOT FIT" in out) == (code == 1) and "verdict" in out
+    allocator = argv[argv.index("--allocator") + 1] if "--allocator" in argv else "default"
+    verdict = "DOES NOT FIT" if code else "FITS"
+    assert f"verdict for the {allocator} allocator: {verdict}\n" in out
+    assert f"exit status {code}: the {allocator} allocator's verdict" in out
 
 
 def test_table_names_the_crossing(capsys):
@@ -478,8 +484,9 @@ def test_help_exits_0(capsys):
 def test_json_parses_and_matches_the_report(capsys):
     assert main(["--available-mb", "8192", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    report = seed_fit(8_192 * MiB)
+    report = fit(254_000, 3_200, 4, 512, 254_000, 8_192 * MiB, max_num_seqs=256)
     assert data == json.loads(json.dumps(report.to_dict()))
+    assert data["decode"]["piece_bytes"] == 256 * 254_000 * 4 and data["arena"]["fits"] is True
     assert data["fits"] is False and data["allocator"] == "default"
     assert data["default"]["first_crossing_chunk"] == 41
     assert data["default"]["first_crossing_tokens"] == 131_200
@@ -547,3 +554,4 @@ def test_docstring_examples():
 
     import arena_tools.torch_model
     assert doctest.testmod(arena_tools.torch_model).failed == 0
+
