@@ -84,16 +84,20 @@ PASS_BINS = tl.constexpr(8)       # bins of a row pass: 8-bit fields of one int6
 ROUND_BINS = tl.constexpr(32)     # bins of a sample or candidate round (tl.histogram)
 
 PATH_SHORT, PATH_DIRECT, PATH_RADIX, PATH_REFINED, PATH_TIES, PATH_SAMPLED = 0, 1, 2, 3, 4, 5
+PATH_STREAM = 6
 """Values of the per-row path record: at most k entries; whole row as the candidate list (one
 read); threshold bin found by pass 1, its entries collected by pass 2 (two reads);
 pass 1 repeated on the threshold bin (three reads or more); threshold bin a single key with
-more ties than fit, written by a tie pass; the sample's threshold held (one read)."""
-PATH_NAMES = ("short", "direct", "radix", "refined", "ties", "sampled")
+more ties than fit, written by a tie pass; the sample's threshold held (one read); with
+``TopkConfig.stream``, the row's segments collected what lies above the sample's floor and the
+list held k to ``cand`` entries (one read; a row where it did not takes the other paths)."""
+PATH_NAMES = ("short", "direct", "radix", "refined", "ties", "sampled", "stream")
 _DIRECT = tl.constexpr(PATH_DIRECT)
 _RADIX = tl.constexpr(PATH_RADIX)
 _REFINED = tl.constexpr(PATH_REFINED)
 _TIES = tl.constexpr(PATH_TIES)
 _SAMPLED = tl.constexpr(PATH_SAMPLED)
+_STREAM = tl.constexpr(PATH_STREAM)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,14 +234,16 @@ def _hist_pass(p_base, ks, ke, base, shift, thr, p_list, KEYS: tl.constexpr,
         acc_e += w_e
         acc_o += w_o
         if COLLECT:
-            n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, CAP, BLOCK, T)
+            n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_list, KEYS, False,
+                                        CAP, BLOCK, T)
     if t < ke:
         o_x, b_bits = _masked_bits(p_base, t, t, ke, BLOCK)
         w_e, w_o = _widen(_bin_counts(b_bits, base, shift, KEYS, BLOCK, T))
         acc_e += w_e
         acc_o += w_o
         if COLLECT:
-            n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, CAP, BLOCK, T)
+            n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_list, KEYS, False,
+                                        CAP, BLOCK, T)
     t0, t1, t2, t3 = _fold_bins(acc_e, acc_o)
     o_b = tl.arange(0, BLOCK)
     for g in range(0, n_full, FOLD):
@@ -250,8 +256,8 @@ def _hist_pass(p_base, ks, ke, base, shift, thr, p_list, KEYS: tl.constexpr,
             acc_e += w_e
             acc_o += w_o
             if COLLECT:
-                n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, CAP,
-                                        BLOCK, T)
+                n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_list, KEYS,
+                                        False, CAP, BLOCK, T)
         w0, w1, w2, w3 = _fold_bins(acc_e, acc_o)
         t0 += w0
         t1 += w1
@@ -287,8 +293,19 @@ def _piece_store(b_key, b_idx, thr, o_l, p_list, CAP: tl.constexpr, T: tl.conste
 
 
 @triton.jit
-def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS: tl.constexpr, CAP: tl.constexpr,
-                   BLOCK: tl.constexpr, T: tl.constexpr):
+def _slots(n_done, b_cnt, p_cnt, ATOMIC: tl.constexpr):
+    """Each thread's first list slot: after those of the threads before it, from n_done on, or
+    with ATOMIC from the slots reserved at p_cnt (other programs fill the same list)."""
+    base = n_done
+    if ATOMIC:
+        base = tl.atomic_add(p_cnt, tl.sum(b_cnt), sem="relaxed")
+    return base + tl.cumsum(b_cnt, 0) - b_cnt
+
+
+@triton.jit
+def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS: tl.constexpr,
+                   ATOMIC: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                   T: tl.constexpr):
     b_key = b_bits
     if KEYS:
         b_key = _float_key(b_bits)
@@ -300,13 +317,12 @@ def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS: tl.constexpr, CAP
     R: tl.constexpr = BLOCK // (4 * T)
     if R == 1:
         b_cnt = _piece_count(b_key, thr, T)
-        o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
-        _piece_store(b_key, b_idx, thr, o_l, p_list, CAP, T)
+        _piece_store(b_key, b_idx, thr, _slots(n_done, b_cnt, p_cnt, ATOMIC), p_list, CAP, T)
     elif R == 2:
         ka, kb = _halves(b_key, BLOCK)
         ia, ib = _halves(b_idx, BLOCK)
         b_cnt = _piece_count(ka, thr, T) + _piece_count(kb, thr, T)
-        o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
+        o_l = _slots(n_done, b_cnt, p_cnt, ATOMIC)
         o_l = _piece_store(ka, ia, thr, o_l, p_list, CAP, T)
         _piece_store(kb, ib, thr, o_l, p_list, CAP, T)
     else:
@@ -319,7 +335,7 @@ def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS: tl.constexpr, CAP
         iba, ibb = _halves(ib, B=BLOCK // 2)
         b_cnt = (_piece_count(kaa, thr, T) + _piece_count(kab, thr, T)
                  + _piece_count(kba, thr, T) + _piece_count(kbb, thr, T))
-        o_l = n_done + tl.cumsum(b_cnt, 0) - b_cnt
+        o_l = _slots(n_done, b_cnt, p_cnt, ATOMIC)
         o_l = _piece_store(kaa, iaa, thr, o_l, p_list, CAP, T)
         o_l = _piece_store(kab, iab, thr, o_l, p_list, CAP, T)
         o_l = _piece_store(kba, iba, thr, o_l, p_list, CAP, T)
@@ -328,24 +344,29 @@ def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS: tl.constexpr, CAP
 
 
 @triton.jit
-def _collect_pass(p_base, ks, ke, thr, p_list, KEYS: tl.constexpr, CAP: tl.constexpr,
-                  BLOCK: tl.constexpr, T: tl.constexpr, STAGES: tl.constexpr):
-    """Pass 2: every entry with key >= thr (> INT32_MIN, so never a masked lane) goes to p_list
-    as (key << 32 | index - ks), at most CAP of them. Runs from the row's end, where pass 1
+def _collect_pass(p_base, lo, hi, ks, thr, p_list, p_cnt, KEYS: tl.constexpr,
+                  ATOMIC: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                  T: tl.constexpr, STAGES: tl.constexpr):
+    """Pass 2 over [lo, hi) of a row starting at ks: every entry with key >= thr (>
+    INT32_MIN, so never a masked lane) goes to p_list as (key << 32 | index - ks), at most CAP
+    of them (with ATOMIC, in the slots reserved at p_cnt). Runs from the end, where pass 1
     finished, so the first blocks it reads are the likeliest to be still in L2."""
-    a, n_full, t = _main_range(ks, ke, BLOCK)
-    n_done = ks * 0
-    if t < ke:
-        o_x, b_bits = _masked_bits(p_base, t, t, ke, BLOCK)
-        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, CAP, BLOCK, T)
+    a, n_full, t = _main_range(lo, hi, BLOCK)
+    n_done = lo * 0
+    if t < hi:
+        o_x, b_bits = _masked_bits(p_base, t, t, hi, BLOCK)
+        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS, ATOMIC, CAP,
+                                BLOCK, T)
     o_b = tl.arange(0, BLOCK)
     for i in tl.range(0, n_full, num_stages=STAGES):
         o_x = (a + (n_full - 1 - i) * BLOCK) + o_b
         b_bits = tl.load(p_base + o_x).to(tl.int32, bitcast=True)
-        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, CAP, BLOCK, T)
-    if ks < a:
-        o_x, b_bits = _masked_bits(p_base, a - 16, ks, tl.minimum(a, ke), BLOCK)
-        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, KEYS, CAP, BLOCK, T)
+        n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS, ATOMIC, CAP,
+                                BLOCK, T)
+    if lo < a:
+        o_x, b_bits = _masked_bits(p_base, a - 16, lo, tl.minimum(a, hi), BLOCK)
+        _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS, ATOMIC, CAP, BLOCK,
+                       T)
 
 
 @triton.jit
@@ -572,15 +593,70 @@ def _pass_1(p_base, ks, ke, base, shift, thr, p_list, COLLECT: tl.constexpr,
 
 
 @triton.jit
-def _pass_2(p_base, ks, ke, thr, p_list, CAP: tl.constexpr, BLOCK: tl.constexpr,
-            T: tl.constexpr, STAGES: tl.constexpr):
+def _pass_2(p_base, lo, hi, ks, thr, p_list, p_cnt, ATOMIC: tl.constexpr, CAP: tl.constexpr,
+            BLOCK: tl.constexpr, T: tl.constexpr, STAGES: tl.constexpr):
     """_collect_pass on the raw bits where thr >= 0 (as in _pass_1), else on the keys."""
     if thr >= 0:
-        _collect_pass(p_base, ks, ke, thr, p_list, KEYS=False, CAP=CAP, BLOCK=BLOCK, T=T,
-                      STAGES=STAGES)
+        _collect_pass(p_base, lo, hi, ks, thr, p_list, p_cnt, KEYS=False, ATOMIC=ATOMIC,
+                      CAP=CAP, BLOCK=BLOCK, T=T, STAGES=STAGES)
     else:
-        _collect_pass(p_base, ks, ke, thr, p_list, KEYS=True, CAP=CAP, BLOCK=BLOCK, T=T,
-                      STAGES=STAGES)
+        _collect_pass(p_base, lo, hi, ks, thr, p_list, p_cnt, KEYS=True, ATOMIC=ATOMIC,
+                      CAP=CAP, BLOCK=BLOCK, T=T, STAGES=STAGES)
+
+
+@triton.jit
+def _one_row(p_base, p_list, p_dst, ks, ke, row, K: tl.constexpr, BLOCK: tl.constexpr,
+             T: tl.constexpr, BLOCK2: tl.constexpr, T2: tl.constexpr, CAND: tl.constexpr,
+             CHUNK: tl.constexpr, RUNS: tl.constexpr, RUN: tl.constexpr, Z: tl.constexpr,
+             STAGES: tl.constexpr, SAMPLED: tl.constexpr):
+    """Steps 1-7 for one row [ks, ke) of p_base, with p_list (CAND pairs) as its list; returns
+    the row's path."""
+    j = tl.arange(0, PASS_BINS)
+    length = tl.maximum(ke - ks, 0)
+    p_row = p_base + ks
+    path = length * 0
+    # what the selection needs, set by the direct and the two-pass paths
+    do_select = length < 0
+    direct = length < 0
+    n_list = length * 0
+    n_above = length * 0
+    lo_bin = length * 0 + INT32_MIN
+    hi_bin = length * 0 + INT32_MAX
+    if length <= K:
+        for c0 in range(0, K, CHUNK):
+            o_k = c0 + tl.arange(0, CHUNK)
+            tl.store(p_dst + o_k, tl.where(o_k < length, o_k, -1), mask=o_k < K)
+    elif length <= tl.minimum(CAND, 2 * RUNS * RUN):
+        # Too short for a useful sample: select from the row itself. (Longer rows that
+        # would fit the list still take the passes: a pass over a short row costs less
+        # than narrowing all of it in the selection's rounds.)
+        do_select = length > 0
+        direct = length > 0
+        n_list = length
+        path = length * 0 + _DIRECT
+    else:
+        lo, hi = _sample_window(p_row, length, row, K, RUNS, RUN, Z)
+        lo, hi, c_bin, n_above, n_pass, path, n_list = _threshold_bin(
+            p_base, p_list, ks, ke, length, lo, hi, path, n_list, n_above, j, K=K,
+            CAND=CAND, BLOCK=BLOCK, T=T, STAGES=STAGES, SAMPLED=SAMPLED)
+        if path == _SAMPLED:
+            do_select = length > 0
+            lo_bin = lo.to(tl.int32)
+            hi_bin = hi.to(tl.int32)
+        elif c_bin <= CAND:
+            _pass_2(p_base, ks, ke, ks, lo.to(tl.int32), p_list, p_list, ATOMIC=False, CAP=CAND,
+                    BLOCK=BLOCK2, T=T2, STAGES=STAGES)
+            do_select = length > 0
+            n_list = c_bin
+            hi_bin = hi.to(tl.int32)
+            path = length * 0 + tl.where(n_pass == 1, _RADIX, _REFINED)
+        else:
+            _ties_pass(p_base, ks, ke, lo.to(tl.int32), n_above, p_dst, K=K, BLOCK=BLOCK2)
+            path = length * 0 + _TIES
+    if do_select:
+        _select(p_row, p_list, p_dst, length, n_list, n_above, lo_bin, hi_bin, direct, K=K,
+                CHUNK=CHUNK)
+    return path
 
 
 @triton.jit
@@ -593,60 +669,90 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     p_list = p_scratch + pid.to(tl.int64) * CAND  # int64 pairs
-    j = tl.arange(0, PASS_BINS)
     # No hoisting out of the row loop (nor out of the refinement loop and the selection
     # rounds): values kept live across it would cost every phase registers.
     for row in tl.range(pid, M, nprog, disable_licm=True):
         ks = tl.maximum(tl.load(p_ks + row), 0)
         ke = tl.minimum(tl.load(p_ke + row), N)
-        length = tl.maximum(ke - ks, 0)
         row_64 = tl.cast(row, tl.int64)
-        p_base = p_x + row_64 * stride_xm
-        p_row = p_base + ks
-        p_dst = p_out + row_64 * stride_om
-        path = length * 0
-        # what the selection needs, set by the direct and the two-pass paths
-        do_select = length < 0
-        direct = length < 0
-        n_list = length * 0
-        n_above = length * 0
-        lo_bin = length * 0 + INT32_MIN
-        hi_bin = length * 0 + INT32_MAX
-        if length <= K:
-            for c0 in range(0, K, CHUNK):
-                o_k = c0 + tl.arange(0, CHUNK)
-                tl.store(p_dst + o_k, tl.where(o_k < length, o_k, -1), mask=o_k < K)
-        elif length <= tl.minimum(CAND, 2 * RUNS * RUN):
-            # Too short for a useful sample: select from the row itself. (Longer rows that
-            # would fit the list still take the passes: a pass over a short row costs less
-            # than narrowing all of it in the selection's rounds.)
-            do_select = length > 0
-            direct = length > 0
-            n_list = length
-            path = length * 0 + _DIRECT
-        else:
-            lo, hi = _sample_window(p_row, length, row, K, RUNS, RUN, Z)
-            lo, hi, c_bin, n_above, n_pass, path, n_list = _threshold_bin(
-                p_base, p_list, ks, ke, length, lo, hi, path, n_list, n_above, j, K=K,
-                CAND=CAND, BLOCK=BLOCK, T=T, STAGES=STAGES, SAMPLED=SAMPLED)
-            if path == _SAMPLED:
-                do_select = length > 0
-                lo_bin = lo.to(tl.int32)
-                hi_bin = hi.to(tl.int32)
-            elif c_bin <= CAND:
-                _pass_2(p_base, ks, ke, lo.to(tl.int32), p_list, CAP=CAND, BLOCK=BLOCK2, T=T2,
-                        STAGES=STAGES)
-                do_select = length > 0
-                n_list = c_bin
-                hi_bin = hi.to(tl.int32)
-                path = length * 0 + tl.where(n_pass == 1, _RADIX, _REFINED)
-            else:
-                _ties_pass(p_base, ks, ke, lo.to(tl.int32), n_above, p_dst, K=K, BLOCK=BLOCK2)
-                path = length * 0 + _TIES
-        if do_select:
-            _select(p_row, p_list, p_dst, length, n_list, n_above, lo_bin, hi_bin, direct, K=K,
-                    CHUNK=CHUNK)
+        path = _one_row(p_x + row_64 * stride_xm, p_list, p_out + row_64 * stride_om, ks, ke,
+                        row, K=K, BLOCK=BLOCK, T=T, BLOCK2=BLOCK2, T2=T2, CAND=CAND,
+                        CHUNK=CHUNK, RUNS=RUNS, RUN=RUN, Z=Z, STAGES=STAGES, SAMPLED=SAMPLED)
         if WITH_PATH:
+            tl.store(p_path + row, path.to(tl.int8))
+
+
+@triton.jit
+def _stream_setup_kernel(p_x, p_ks, p_ke, p_thr, p_cnt, p_done, N, stride_xm,
+                         K: tl.constexpr, CAND: tl.constexpr, RUNS: tl.constexpr,
+                         RUN: tl.constexpr, Z: tl.constexpr):
+    """Stream step 1, a program a row: the floor of the sample's window (the key that the
+    row's segments collect from), and the row's slot and segment counters set to 0."""
+    row = tl.program_id(0)
+    ks = tl.maximum(tl.load(p_ks + row), 0)
+    ke = tl.minimum(tl.load(p_ke + row), N)
+    length = tl.maximum(ke - ks, 0)
+    thr = length * 0 + INT32_MIN
+    if length > tl.minimum(CAND, 2 * RUNS * RUN):
+        lo, _ = _sample_window(p_x + row.to(tl.int64) * stride_xm + ks, length, row, K, RUNS,
+                               RUN, Z)
+        thr = lo.to(tl.int32)
+    tl.store(p_thr + row, thr)
+    tl.store(p_cnt + row, length * 0)
+    tl.store(p_done + row, length * 0)
+
+
+@triton.jit
+def _stream_kernel(p_x, p_ks, p_ke, p_out, p_thr, p_cnt, p_done, p_lists, p_path, N, SEG,
+                   n_seg, stride_xm, stride_om, K: tl.constexpr, BLOCK: tl.constexpr,
+                   T: tl.constexpr, BLOCK2: tl.constexpr, T2: tl.constexpr,
+                   CAND: tl.constexpr, CHUNK: tl.constexpr, RUNS: tl.constexpr,
+                   RUN: tl.constexpr, Z: tl.constexpr, STAGES: tl.constexpr,
+                   SAMPLED: tl.constexpr, WITH_PATH: tl.constexpr):
+    """Stream step 2, n_seg programs a row, each over one SEG-entry segment (16-aligned from
+    the row's start rounded down): every entry at or above the row's floor goes to the row's
+    list, in slots reserved by one atomic a block. The program that finishes a row's last
+    segment selects from its list, or, where the list holds fewer than k or overflowed,
+    runs the row's other paths (_one_row). Rows too short for a sample are _one_row's alone."""
+    pid = tl.program_id(0)
+    row = pid // n_seg
+    seg = pid % n_seg
+    ks = tl.maximum(tl.load(p_ks + row), 0)
+    ke = tl.minimum(tl.load(p_ke + row), N)
+    length = tl.maximum(ke - ks, 0)
+    row_64 = tl.cast(row, tl.int64)
+    p_base = p_x + row_64 * stride_xm
+    p_list = p_lists + row_64 * CAND
+    p_dst = p_out + row_64 * stride_om
+    a0 = ks // 16 * 16
+    n_seg_row = tl.cdiv(ke - a0, SEG)
+    path = length * 0 - 1
+    if length <= tl.minimum(CAND, 2 * RUNS * RUN):
+        if seg == 0:
+            path = _one_row(p_base, p_list, p_dst, ks, ke, row, K=K, BLOCK=BLOCK, T=T,
+                            BLOCK2=BLOCK2, T2=T2, CAND=CAND, CHUNK=CHUNK, RUNS=RUNS, RUN=RUN,
+                            Z=Z, STAGES=STAGES, SAMPLED=SAMPLED)
+    elif seg < n_seg_row:
+        thr = tl.load(p_thr + row)
+        _pass_2(p_base, tl.maximum(ks, a0 + seg * SEG), tl.minimum(ke, a0 + (seg + 1) * SEG),
+                ks, thr, p_list, p_cnt + row, ATOMIC=True, CAP=CAND, BLOCK=BLOCK, T=T,
+                STAGES=STAGES)
+        # Every lane's list writes before the count that tells the last program it may
+        # read them (a release at the device's scope, after the block's barrier).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(p_done + row, 1, sem="acq_rel", scope="gpu")
+        if ticket == n_seg_row - 1:
+            n = tl.atomic_add(p_cnt + row, 0, sem="acquire", scope="gpu")
+            if (n >= K) & (n <= CAND):
+                _select(p_base + ks, p_list, p_dst, length, n, n * 0, thr, INT32_MAX, False,
+                        K=K, CHUNK=CHUNK)
+                path = length * 0 + _STREAM
+            else:
+                path = _one_row(p_base, p_list, p_dst, ks, ke, row, K=K, BLOCK=BLOCK, T=T,
+                                BLOCK2=BLOCK2, T2=T2, CAND=CAND, CHUNK=CHUNK, RUNS=RUNS,
+                                RUN=RUN, Z=Z, STAGES=STAGES, SAMPLED=SAMPLED)
+    if WITH_PATH:
+        if path >= 0:
             tl.store(p_path + row, path.to(tl.int8))
 
 
@@ -664,7 +770,9 @@ class TopkConfig:
     passes' loads (cp.async through shared memory); ``num_warps``; ``programs_per_sm``:
     persistent programs per SM, which also caps the registers a thread may use so that they
     all fit; ``sampled``: pass 1 also collects what lies above the sample's window, so that
-    most rows need no pass 2.
+    most rows need no pass 2; ``stream``: the streaming layout instead of persistent
+    programs (``top_k_per_row``'s docstring); ``segment``: its entries a program (a multiple
+    of ``block``; 0: chosen from the rows and the GPU's SMs).
 
     The defaults are the fastest of the benchmark's A/B runs over [4096, 65536] normal
     logits at k = 2048 (docs/indexer-kernels.md): a 1024-entry sample's longer lists cost the
@@ -681,6 +789,8 @@ class TopkConfig:
     num_warps: int = 4
     programs_per_sm: int = 4
     sampled: bool = True
+    stream: bool = False
+    segment: int = 0
 
     def validate(self, k: int) -> None:
         for name in ("block", "collect_block", "cand", "chunk", "runs", "run", "num_warps"):
@@ -696,11 +806,15 @@ class TopkConfig:
             raise ValueError(f"TopkConfig.block ({self.block}) must be at most 124 entries a "
                              f"thread ({124 * 32 * self.num_warps} at {self.num_warps} warps): "
                              "a block's bin counts are bytes")
-        if self.sampled and self.block // (4 * _threads(self.block, self)) not in (1, 2, 4):
+        if ((self.sampled or self.stream)
+                and self.block // (4 * _threads(self.block, self)) not in (1, 2, 4)):
             raise ValueError(f"TopkConfig.block ({self.block}) must be 4, 8 or 16 entries a "
                              f"thread ({128 * self.num_warps}, {256 * self.num_warps} or "
                              f"{512 * self.num_warps} at {self.num_warps} warps) with "
-                             "sampled=True: pass 1 then also collects")
+                             "sampled=True or stream=True: its blocks then also collect")
+        if self.segment < 0 or self.segment % self.block:
+            raise ValueError(f"TopkConfig.segment ({self.segment}) must be 0 or a positive "
+                             f"multiple of block ({self.block})")
         if self.collect_block // (4 * _threads(self.collect_block, self)) not in (1, 2, 4):
             raise ValueError(f"TopkConfig.collect_block ({self.collect_block}) must be 4, 8 or "
                              f"16 entries a thread ({128 * self.num_warps}, "
@@ -796,10 +910,42 @@ def _launch_constants(cfg: TopkConfig, k: int) -> dict:
             "maxnreg": max_registers(cfg)}
 
 
+def _stream_head(m: int) -> int:
+    # int32 elements before the lists: thresholds, slot counts, finished segments (m each),
+    # rounded up to keep the int64 lists 8-byte aligned
+    return (3 * m + 1) // 2 * 2
+
+
 def scratch_elems(m: int, device: torch.device, cfg: TopkConfig) -> int:
-    """int32 elements of scratch a call over m rows needs (one list of ``cand`` int64 pairs per
-    program)."""
+    """int32 elements of scratch a call over m rows needs: one list of ``cand`` int64 pairs per
+    program, or with ``stream`` per row (and three counters a row)."""
+    if cfg.stream:
+        return _stream_head(m) + m * cfg.cand * 2
     return _grid_size(m, device, cfg) * cfg.cand * 2
+
+
+def _segment(m: int, n: int, device: torch.device, cfg: TopkConfig) -> int:
+    """Entries a stream program reads: enough programs for four waves of ``programs_per_sm``
+    on every SM, but at least two blocks each (the interpreter: two blocks)."""
+    if cfg.segment:
+        return cfg.segment
+    if device.type == "cpu":
+        return 2 * cfg.block
+    per_row = max(1, 4 * sm_count(device) * cfg.programs_per_sm // max(m, 1))
+    return max(2 * cfg.block, triton.cdiv(triton.cdiv(n, per_row), cfg.block) * cfg.block)
+
+
+def _launch_stream(logits, ks, ke, out, pairs, head, path, consts, cfg, return_path):
+    m, n = logits.shape
+    seg = _segment(m, n, logits.device, cfg)
+    n_seg = triton.cdiv(n + 15, seg)
+    thr, cnt, done = head[:m], head[m:2 * m], head[2 * m:3 * m]
+    _stream_setup_kernel[(m,)](
+        logits, ks, ke, thr, cnt, done, n, logits.stride(0), K=consts["K"], CAND=cfg.cand,
+        RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z, num_warps=cfg.num_warps, **LAUNCH_OPTIONS)
+    _stream_kernel[(m * n_seg,)](
+        logits, ks, ke, out, thr, cnt, done, pairs, path, n, seg, n_seg, logits.stride(0),
+        out.stride(0), WITH_PATH=return_path, **consts, **LAUNCH_OPTIONS)
 
 
 def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: int,
@@ -814,8 +960,18 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
     depend on N). Rows with fewer than k entries are padded with ``-1``. Entries inside a
     row's range must not be NaN.
 
-    Returns ``out``, or ``(out, path)`` with ``return_path``: int8 ``[M]``, one of
-    ``PATH_SHORT``, ``PATH_DIRECT``, ``PATH_RADIX``, ``PATH_REFINED``, ``PATH_TIES`` per row.
+    With ``config.stream`` the row is read by many short-lived programs instead of one
+    persistent one: a first kernel takes each row's sample (step 3) and keeps the floor of its
+    window; the second reads each row once in ``segment``-entry pieces, one program each, and
+    collects every entry at or above the floor into the row's own list (its slots reserved by
+    one atomic a block); the program that finishes a row's last piece selects (step 6) from
+    the list, or, where it holds fewer than k entries or overflowed ``cand``, takes the row
+    through steps 4-7. No step of a row waits on a histogram across the row, and one row's
+    selection overlaps the other programs' reads. Its scratch is a list per row, not per
+    program.
+
+    Returns ``out``, or ``(out, path)`` with ``return_path``: int8 ``[M]``, one of the
+    ``PATH_*`` values per row (``PATH_NAMES``).
     """
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [M, N], got {logits.dtype} "
@@ -839,16 +995,21 @@ def top_k_per_row(logits: torch.Tensor, ks: torch.Tensor, ke: torch.Tensor, k: i
     path = torch.empty(m if return_path else 1, dtype=torch.int8, device=logits.device)
     if m == 0:
         return (out, path) if return_path else out
-    grid = _grid_size(m, logits.device, cfg)
-    need = grid * cfg.cand * 2
+    need = scratch_elems(m, logits.device, cfg)
     if scratch is None:
         scratch = torch.empty(need, dtype=torch.int32, device=logits.device)
     elif (scratch.dtype != torch.int32 or scratch.numel() < need or not scratch.is_contiguous()
           or scratch.data_ptr() % 8):
         raise ValueError(f"scratch must be contiguous, 8-byte aligned int32 with at least "
                          f"{need} elements")
+    if cfg.stream:
+        head = _stream_head(m)
+        pairs = scratch.narrow(0, head, need - head).view(torch.int64)
+        _launch_stream(logits, ks, ke, out, pairs, scratch.narrow(0, 0, head), path, consts, cfg,
+                       return_path)
+        return (out, path) if return_path else out
     pairs = scratch.narrow(0, 0, need).view(torch.int64)
-    _topk_kernel[(grid,)](
+    _topk_kernel[(_grid_size(m, logits.device, cfg),)](
         logits, ks, ke, out, pairs, path, m, n, logits.stride(0), out.stride(0),
         WITH_PATH=return_path, **consts, **LAUNCH_OPTIONS,
     )
