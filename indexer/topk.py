@@ -89,8 +89,9 @@ PATH_STREAM = 6
 read); threshold bin found by pass 1, its entries collected by pass 2 (two reads);
 pass 1 repeated on the threshold bin (three reads or more); threshold bin a single key with
 more ties than fit, written by a tie pass; the sample's threshold held (one read); with
-``TopkConfig.stream``, the row's segments collected what lies above the sample's floor and the
-list held k to ``cand`` entries (one read; a row where it did not takes the other paths)."""
+``TopkConfig.stream``, the row's segments collected what lies above the sample's floor, the
+sample's window held the k-th largest and the list at most ``cand`` entries (one read; a row
+where it did not takes the other paths)."""
 PATH_NAMES = ("short", "direct", "radix", "refined", "ties", "sampled", "stream")
 _DIRECT = tl.constexpr(PATH_DIRECT)
 _RADIX = tl.constexpr(PATH_RADIX)
@@ -298,7 +299,9 @@ def _slots(n_done, b_cnt, p_cnt, ATOMIC: tl.constexpr):
     with ATOMIC from the slots reserved at p_cnt (other programs fill the same list)."""
     base = n_done
     if ATOMIC:
-        base = tl.atomic_add(p_cnt, tl.sum(b_cnt), sem="relaxed")
+        # p_cnt: the row's int64 counter, slots taken in its low half (_collect_pass)
+        old = tl.atomic_add(p_cnt, tl.sum(b_cnt).to(tl.int64), sem="relaxed")
+        base = (old & 0xFFFFFFFF).to(tl.int32)
     return base + tl.cumsum(b_cnt, 0) - b_cnt
 
 
@@ -344,29 +347,49 @@ def _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS: tl.constex
 
 
 @triton.jit
-def _collect_pass(p_base, lo, hi, ks, thr, p_list, p_cnt, KEYS: tl.constexpr,
+def _above(b_bits, top, KEYS: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr):
+    """Per thread, how many of its entries of a block have key > top."""
+    b_key = b_bits
+    if KEYS:
+        b_key = _float_key(b_bits)
+    return tl.sum(tl.sum(tl.reshape((b_key > top).to(tl.int32), [BLOCK // (4 * T), T, 4]), 2), 0)
+
+
+@triton.jit
+def _collect_pass(p_base, lo, hi, ks, thr, top, p_list, p_cnt, KEYS: tl.constexpr,
                   ATOMIC: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
                   T: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 over [lo, hi) of a row starting at ks: every entry with key >= thr (>
     INT32_MIN, so never a masked lane) goes to p_list as (key << 32 | index - ks), at most CAP
-    of them (with ATOMIC, in the slots reserved at p_cnt). Runs from the end, where pass 1
-    finished, so the first blocks it reads are the likeliest to be still in L2."""
+    of them. With ATOMIC, other programs fill the same list: the slots are reserved in the
+    low half of the int64 counter at p_cnt, and the entries with key > top are counted in its
+    high half. Runs from the end, where pass 1 finished, so the first blocks it reads are
+    the likeliest to be still in L2."""
     a, n_full, t = _main_range(lo, hi, BLOCK)
     n_done = lo * 0
+    acc = tl.zeros([T], tl.int32)
     if t < hi:
         o_x, b_bits = _masked_bits(p_base, t, t, hi, BLOCK)
         n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS, ATOMIC, CAP,
                                 BLOCK, T)
+        if ATOMIC:
+            acc += _above(b_bits, top, KEYS, BLOCK, T)
     o_b = tl.arange(0, BLOCK)
     for i in tl.range(0, n_full, num_stages=STAGES):
         o_x = (a + (n_full - 1 - i) * BLOCK) + o_b
         b_bits = tl.load(p_base + o_x).to(tl.int32, bitcast=True)
         n_done = _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS, ATOMIC, CAP,
                                 BLOCK, T)
+        if ATOMIC:
+            acc += _above(b_bits, top, KEYS, BLOCK, T)
     if lo < a:
         o_x, b_bits = _masked_bits(p_base, a - 16, lo, tl.minimum(a, hi), BLOCK)
         _collect_block(o_x, b_bits, ks, thr, n_done, p_list, p_cnt, KEYS, ATOMIC, CAP, BLOCK,
                        T)
+        if ATOMIC:
+            acc += _above(b_bits, top, KEYS, BLOCK, T)
+    if ATOMIC:
+        tl.atomic_add(p_cnt, tl.sum(acc).to(tl.int64) << 32, sem="relaxed")
 
 
 @triton.jit
@@ -593,14 +616,14 @@ def _pass_1(p_base, ks, ke, base, shift, thr, p_list, COLLECT: tl.constexpr,
 
 
 @triton.jit
-def _pass_2(p_base, lo, hi, ks, thr, p_list, p_cnt, ATOMIC: tl.constexpr, CAP: tl.constexpr,
-            BLOCK: tl.constexpr, T: tl.constexpr, STAGES: tl.constexpr):
+def _pass_2(p_base, lo, hi, ks, thr, top, p_list, p_cnt, ATOMIC: tl.constexpr,
+            CAP: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr, STAGES: tl.constexpr):
     """_collect_pass on the raw bits where thr >= 0 (as in _pass_1), else on the keys."""
     if thr >= 0:
-        _collect_pass(p_base, lo, hi, ks, thr, p_list, p_cnt, KEYS=False, ATOMIC=ATOMIC,
+        _collect_pass(p_base, lo, hi, ks, thr, top, p_list, p_cnt, KEYS=False, ATOMIC=ATOMIC,
                       CAP=CAP, BLOCK=BLOCK, T=T, STAGES=STAGES)
     else:
-        _collect_pass(p_base, lo, hi, ks, thr, p_list, p_cnt, KEYS=True, ATOMIC=ATOMIC,
+        _collect_pass(p_base, lo, hi, ks, thr, top, p_list, p_cnt, KEYS=True, ATOMIC=ATOMIC,
                       CAP=CAP, BLOCK=BLOCK, T=T, STAGES=STAGES)
 
 
@@ -644,8 +667,8 @@ def _one_row(p_base, p_list, p_dst, ks, ke, row, K: tl.constexpr, BLOCK: tl.cons
             lo_bin = lo.to(tl.int32)
             hi_bin = hi.to(tl.int32)
         elif c_bin <= CAND:
-            _pass_2(p_base, ks, ke, ks, lo.to(tl.int32), p_list, p_list, ATOMIC=False, CAP=CAND,
-                    BLOCK=BLOCK2, T=T2, STAGES=STAGES)
+            _pass_2(p_base, ks, ke, ks, lo.to(tl.int32), INT32_MAX, p_list, p_list, ATOMIC=False,
+                    CAP=CAND, BLOCK=BLOCK2, T=T2, STAGES=STAGES)
             do_select = length > 0
             n_list = c_bin
             hi_bin = hi.to(tl.int32)
@@ -683,27 +706,30 @@ def _topk_kernel(p_x, p_ks, p_ke, p_out, p_scratch, p_path, M, N, stride_xm, str
 
 
 @triton.jit
-def _stream_setup_kernel(p_x, p_ks, p_ke, p_thr, p_cnt, p_done, N, stride_xm,
+def _stream_setup_kernel(p_x, p_ks, p_ke, p_lo, p_hi, p_done, p_cnt, N, stride_xm,
                          K: tl.constexpr, CAND: tl.constexpr, RUNS: tl.constexpr,
                          RUN: tl.constexpr, Z: tl.constexpr):
-    """Stream step 1, a program a row: the floor of the sample's window (the key that the
-    row's segments collect from), and the row's slot and segment counters set to 0."""
+    """Stream step 1, a program a row: the sample's window [lo, hi] (the row's segments
+    collect every key >= lo and count those > hi), and the row's counters set to 0."""
     row = tl.program_id(0)
     ks = tl.maximum(tl.load(p_ks + row), 0)
     ke = tl.minimum(tl.load(p_ke + row), N)
     length = tl.maximum(ke - ks, 0)
-    thr = length * 0 + INT32_MIN
+    lo = length * 0 + INT32_MIN
+    hi = length * 0 + INT32_MAX
     if length > tl.minimum(CAND, 2 * RUNS * RUN):
-        lo, _ = _sample_window(p_x + row.to(tl.int64) * stride_xm + ks, length, row, K, RUNS,
-                               RUN, Z)
-        thr = lo.to(tl.int32)
-    tl.store(p_thr + row, thr)
-    tl.store(p_cnt + row, length * 0)
+        w_lo, w_hi = _sample_window(p_x + row.to(tl.int64) * stride_xm + ks, length, row, K,
+                                    RUNS, RUN, Z)
+        lo = w_lo.to(tl.int32)
+        hi = w_hi.to(tl.int32)
+    tl.store(p_lo + row, lo)
+    tl.store(p_hi + row, hi)
     tl.store(p_done + row, length * 0)
+    tl.store(p_cnt + row, (length * 0).to(tl.int64))
 
 
 @triton.jit
-def _stream_kernel(p_x, p_ks, p_ke, p_out, p_thr, p_cnt, p_done, p_lists, p_path, N, SEG,
+def _stream_kernel(p_x, p_ks, p_ke, p_out, p_lo, p_hi, p_done, p_cnt, p_lists, p_path, N, SEG,
                    n_seg, stride_xm, stride_om, K: tl.constexpr, BLOCK: tl.constexpr,
                    T: tl.constexpr, BLOCK2: tl.constexpr, T2: tl.constexpr,
                    CAND: tl.constexpr, CHUNK: tl.constexpr, RUNS: tl.constexpr,
@@ -711,9 +737,11 @@ def _stream_kernel(p_x, p_ks, p_ke, p_out, p_thr, p_cnt, p_done, p_lists, p_path
                    SAMPLED: tl.constexpr, WITH_PATH: tl.constexpr):
     """Stream step 2, n_seg programs a row, each over one SEG-entry segment (16-aligned from
     the row's start rounded down): every entry at or above the row's floor goes to the row's
-    list, in slots reserved by one atomic a block. The program that finishes a row's last
-    segment selects from its list, or, where the list holds fewer than k or overflowed,
-    runs the row's other paths (_one_row). Rows too short for a sample are _one_row's alone."""
+    list, in slots reserved by one atomic a block, and those above the window are counted.
+    The program that finishes a row's last segment selects from its list (those above the
+    window go straight to the output), or, where the window does not hold the k-th largest or
+    the list overflowed, runs the row's other paths (_one_row). Rows too short for a sample
+    are _one_row's alone."""
     pid = tl.program_id(0)
     row = pid // n_seg
     seg = pid % n_seg
@@ -733,19 +761,22 @@ def _stream_kernel(p_x, p_ks, p_ke, p_out, p_thr, p_cnt, p_done, p_lists, p_path
                             BLOCK2=BLOCK2, T2=T2, CAND=CAND, CHUNK=CHUNK, RUNS=RUNS, RUN=RUN,
                             Z=Z, STAGES=STAGES, SAMPLED=SAMPLED)
     elif seg < n_seg_row:
-        thr = tl.load(p_thr + row)
+        lo = tl.load(p_lo + row)
+        hi = tl.load(p_hi + row)
         _pass_2(p_base, tl.maximum(ks, a0 + seg * SEG), tl.minimum(ke, a0 + (seg + 1) * SEG),
-                ks, thr, p_list, p_cnt + row, ATOMIC=True, CAP=CAND, BLOCK=BLOCK, T=T,
+                ks, lo, hi, p_list, p_cnt + row, ATOMIC=True, CAP=CAND, BLOCK=BLOCK, T=T,
                 STAGES=STAGES)
         # Every lane's list writes before the count that tells the last program it may
         # read them (a release at the device's scope, after the block's barrier).
         tl.debug_barrier()
         ticket = tl.atomic_add(p_done + row, 1, sem="acq_rel", scope="gpu")
         if ticket == n_seg_row - 1:
-            n = tl.atomic_add(p_cnt + row, 0, sem="acquire", scope="gpu")
-            if (n >= K) & (n <= CAND):
-                _select(p_base + ks, p_list, p_dst, length, n, n * 0, thr, INT32_MAX, False,
-                        K=K, CHUNK=CHUNK)
+            packed = tl.atomic_add(p_cnt + row, 0, sem="acquire", scope="gpu")
+            n = (packed & 0xFFFFFFFF).to(tl.int32)
+            n_above = (packed >> 32).to(tl.int32)
+            if (n_above < K) & (n >= K) & (n <= CAND):
+                _select(p_base + ks, p_list, p_dst, length, n, n_above, lo, hi, False, K=K,
+                        CHUNK=CHUNK)
                 path = length * 0 + _STREAM
             else:
                 path = _one_row(p_base, p_list, p_dst, ks, ke, row, K=K, BLOCK=BLOCK, T=T,
@@ -911,9 +942,9 @@ def _launch_constants(cfg: TopkConfig, k: int) -> dict:
 
 
 def _stream_head(m: int) -> int:
-    # int32 elements before the lists: thresholds, slot counts, finished segments (m each),
-    # rounded up to keep the int64 lists 8-byte aligned
-    return (3 * m + 1) // 2 * 2
+    # int32 elements before the lists: the windows' ends and the finished segments (m each,
+    # rounded up to 8-byte alignment), then the int64 counters
+    return (3 * m + 1) // 2 * 2 + 2 * m
 
 
 def scratch_elems(m: int, device: torch.device, cfg: TopkConfig) -> int:
@@ -939,12 +970,13 @@ def _launch_stream(logits, ks, ke, out, pairs, head, path, consts, cfg, return_p
     m, n = logits.shape
     seg = _segment(m, n, logits.device, cfg)
     n_seg = triton.cdiv(n + 15, seg)
-    thr, cnt, done = head[:m], head[m:2 * m], head[2 * m:3 * m]
+    lo, hi, done = head[:m], head[m:2 * m], head[2 * m:3 * m]
+    cnt = head[(3 * m + 1) // 2 * 2:].view(torch.int64)
     _stream_setup_kernel[(m,)](
-        logits, ks, ke, thr, cnt, done, n, logits.stride(0), K=consts["K"], CAND=cfg.cand,
+        logits, ks, ke, lo, hi, done, cnt, n, logits.stride(0), K=consts["K"], CAND=cfg.cand,
         RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z, num_warps=cfg.num_warps, **LAUNCH_OPTIONS)
     _stream_kernel[(m * n_seg,)](
-        logits, ks, ke, out, thr, cnt, done, pairs, path, n, seg, n_seg, logits.stride(0),
+        logits, ks, ke, out, lo, hi, done, cnt, pairs, path, n, seg, n_seg, logits.stride(0),
         out.stride(0), WITH_PATH=return_path, **consts, **LAUNCH_OPTIONS)
 
 

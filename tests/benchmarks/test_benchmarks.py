@@ -156,9 +156,9 @@ def test_bench_linear_terms_says_what_it_needs_without_an_sm90_gpu():
 
 
 def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
-    """The program end to end on toy sizes in the interpreter: every config, both row kinds,
-    the same sets as torch.topk (it exits non-zero otherwise), and the sampled default taking
-    its one-read path on some rows."""
+    """The program end to end on toy sizes in the interpreter: every layout, prefill and
+    decode shapes, the same sets as torch.topk (it exits non-zero otherwise), the sampled
+    default taking its one-read path on some rows and the streaming layout its own."""
     pytest.importorskip("rich")
     out = tmp_path / "topk.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "indexer" / "bench_topk.py"), "--smoke",
@@ -166,11 +166,13 @@ def test_bench_topk_smoke_runs_every_config_and_finds_torchs_sets(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert {r["rows"] for r in results} == {"full", "causal"}
+    assert {r["shape"].split(" [")[0] for r in results} == {"prefill full", "prefill causal", "decode"}
     assert len({r["config"] for r in results}) == 4
     assert all(r["same_sets"] for r in results)
-    assert any(r["config"] == "default" and r["paths"]["sampled"] > 0 for r in results)
-    assert all(r["paths"]["sampled"] == 0 for r in results if r["config"].startswith("two"))
+    assert any(r["config"] == "persistent (default)" and r["paths"]["sampled"] > 0 for r in results)
+    assert all(r["paths"]["sampled"] == 0 for r in results if "two reads" in r["config"])
+    assert all(r["paths"]["stream"] > 0 for r in results if r["config"].startswith("stream"))
+    assert all(r["paths"]["stream"] == 0 for r in results if r["config"].startswith("persistent"))
 
 
 def test_bench_arena_reports_the_core_beside_glibc_as_ratios_and_judges_its_goals(tmp_path):

@@ -460,7 +460,7 @@ def test_topk_stream_property_exact_set(data):
 @pytest.mark.interpreter
 def test_topk_stream_scratch_is_a_list_a_row_whatever_the_length():
     need = scratch_elems(5, torch.device("cpu"), STREAM_CFG)
-    assert need == (3 * 5 + 1) // 2 * 2 + 5 * STREAM_CFG.cand * 2
+    assert need == (3 * 5 + 1) // 2 * 2 + 2 * 5 + 5 * STREAM_CFG.cand * 2
     scratch = torch.empty(need, dtype=torch.int32)
     for n in (40, 900):
         x = torch.randn(5, n, generator=torch.Generator().manual_seed(n))
@@ -496,6 +496,31 @@ def test_topk_long_rows_ties_and_paths(sampled):
     # one read for most rows with the sampled threshold, two without
     assert counts["sampled" if sampled else "radix"] > m // 2
     assert counts["refined"] <= 10, "pass 1 should rarely need a second read"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n", [(2048, 65536), (64, 131072), (8, 131072)])
+def test_topk_stream_long_rows_and_decode_shapes(m, n):
+    # The streaming layout at prefill and decode shapes: ragged rows (full, causal, random
+    # ranges, shorter than k, empty), an all-ties row and a four-valued one, against the
+    # float64 reference (ties valid); most rows read once (PATH_STREAM).
+    g = gpu.gen(11)
+    x = torch.randn(m, n, generator=g, device="cuda")
+    ks, ke = gpu.ragged_rows(m, n, g)
+    x[5 % m] = 1.0
+    x[6 % m] = torch.randint(0, 4, (n,), generator=g, device="cuda").float()
+    cfg = dataclasses.replace(topk_mod.default_config(gpu.K), stream=True)
+    out, path = top_k_per_row(x, ks, ke, gpu.K, config=cfg, return_path=True)
+    valid = ref.topk_validity(x.double(), out, ks, ke, gpu.K)
+    counts = topk_mod.path_counts(path)
+    gpu.report(test="topk_stream", M=m, N=n, valid_rows=int(valid.sum()), paths=counts)
+    assert valid.all()
+    if m > 6:
+        assert path[5].item() == path[6].item() == topk_mod.PATH_TIES
+    long_rows = int(((ke - ks) > cfg.runs * cfg.run * 2).sum())
+    assert counts["stream"] >= long_rows - max(2, long_rows // 100), counts
+    again = top_k_per_row(x, ks, ke, gpu.K, config=cfg)      # the counters start from 0
+    assert torch.equal(again.sort(1).values, out.sort(1).values)
 
 
 # --- compiled ahead of time ----------------------------------------------------------------------
@@ -567,3 +592,38 @@ def test_topk_sweep_candidates_compile_without_spills(index):
     print(f"top-k sweep {index} Triton {triton.__version__}: {use['REG']} registers a thread "
           f"(cap {topk_mod.max_registers(cfg)}), {cfg}")
     assert_row_passes_do_not_spill(kernel, cfg)
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("name", ["sm_90", "sm_100"])
+def test_topk_stream_kernels_compile_without_spills_in_the_stream(name):
+    """The streaming kernel as top_k_per_row launches it over [4096, 65536] logits: its
+    segment loop pipelined (cp.async) without spills, all ``programs_per_sm`` programs
+    resident; and the sample kernel."""
+    gpu_ = GPUS[name]
+    cfg = dataclasses.replace(topk_mod.default_config(2048, capability=gpu_.capability),
+                              stream=True)
+    constexprs = dict(topk_mod._launch_constants(cfg, 2048), WITH_PATH=False)
+    options = {key: constexprs.pop(key) for key in ("num_warps", "maxnreg")}
+    pointers = dict(p_x="fp32", p_ks="i32", p_ke="i32", p_out="i32", p_lo="i32", p_hi="i32",
+                    p_done="i32", p_cnt="i64", p_lists="i64", p_path="i8")
+    ints = dict(N=65536, SEG=65536, n_seg=2, stride_xm=65536, stride_om=2048)
+    kernel = compile_kernel(topk_mod._stream_kernel, pointers, ints, constexprs, gpu=gpu_,
+                            **options)
+    use = resources(kernel)
+    print(f"top-k stream {name} Triton {triton.__version__}: {use['REG']} registers a thread "
+          f"(cap {topk_mod.max_registers(cfg)}), {kernel.metadata.shared} B shared")
+    assert gpu_.fits(kernel.metadata.shared, use["REG"], 32 * cfg.num_warps,
+                     cfg.programs_per_sm), (use, kernel.metadata.shared)
+    assert "cp.async" in kernel.asm["ptx"]
+    streaming = [body for body in innermost_loops(kernel) if any("LDGSTS" in op for op in body)]
+    assert streaming and min(spill_ops(body) for body in streaming) == 0, (
+        [spill_ops(body) for body in streaming])
+    setup = compile_kernel(
+        topk_mod._stream_setup_kernel,
+        dict(p_x="fp32", p_ks="i32", p_ke="i32", p_lo="i32", p_hi="i32", p_done="i32",
+             p_cnt="i64"),
+        dict(N=65536, stride_xm=65536),
+        dict(K=2048, CAND=cfg.cand, RUNS=cfg.runs, RUN=cfg.run, Z=cfg.z), gpu=gpu_,
+        num_warps=cfg.num_warps)
+    assert resources(setup)["REG"] > 0
