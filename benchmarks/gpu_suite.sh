@@ -4,11 +4,12 @@
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
 #   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [alloc-memory] [decode-graphs] [indexer]
-#                           [indexer-goals] [topk] [replay] [tp] [torch-tests] [memory-viz]
+#                           [indexer-goals] [topk] [topk-check] [replay] [tp] [torch-tests] [memory-viz]
 # (indexer-goals: the indexer benchmark without the config sweep, which compiles every
 # candidate; pytest reads PYTEST_ADDOPTS, e.g. "-k hopper", to split the GPU tests; XDIST="-n 4"
 # runs tests-graphs, tests-scoped and tests-indexer four at a time, then their device_wide tests
 # alone; tests-alloc runs one test at a time whatever XDIST says)
+# (topk-check: the top-k's GPU tests alone, both layouts; topk: its benchmark)
 # (tp: the seed workload on min(2, GPUs) ranks through torch.distributed, benchmarks/alloc/tp_seed.py)
 # (torch-tests: PyTorch's own graph and memory-tooling tests under both allocators,
 # benchmarks/alloc/torch_tests.py; TORCH_TESTS names PyTorch's test/test_cuda.py, which is not
@@ -95,6 +96,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     indexer-goals) step indexer_goals $py benchmarks/indexer/bench_indexer.py --no-sweep \
                      --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;
     topk) step topk_bench $py benchmarks/indexer/bench_topk.py --json "$OUT/topk.json" ;;
+    topk-check) step topk_gpu_tests "${pytest[@]}" -m gpu tests/indexer/test_topk.py ;;
     tp) step tp_seed $py benchmarks/alloc/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     memory-viz) step memory_viz $py examples/memory_viz.py "$OUT/memory_viz" ;;
     torch-tests) step torch_tests $py benchmarks/alloc/torch_tests.py --tests "${TORCH_TESTS:-.torch-tests/test_cuda.py}" \

@@ -4,6 +4,7 @@ and its one-line refusals, under the interpreter; on a GPU at real shapes, and w
 the arena allocator (a child process started from this file installs it first)."""
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from indexer import (DenseKV, PagedKV, PrefillStats, mqa_logits, prefill_topk, row_stride_elems,
                      token_ranges, top_k_per_row)
 from indexer import reference as ref
+from indexer.topk import default_config as topk_default_config
 from tests.support import ROOT
 from tests.support import indexer_gpu as gpu
 from tests.support.indexer_cpu import make_paged, poisoned
@@ -112,6 +114,22 @@ def test_prefill_dense_and_paged_match_reference(ratio, budget):
                         paged_like(dense, query_lens, seq_lens, ratio, page=8, seed=ratio),
                         k=k, max_logits_bytes=budget, compress_ratio=ratio)
     assert torch.equal(paged, got)
+
+
+@pytest.mark.interpreter
+def test_prefill_with_the_streaming_top_k_gives_the_reference_sets():
+    # TopkConfig.stream through the driver: its scratch (a list a row of the tallest piece)
+    # sized once for every piece, the rows long enough to stream streamed, the same sets.
+    query_lens, seq_lens, k = [40, 3, 64, 9], [40, 83, 200, 9], 16
+    q, w, dense = batch(query_lens, seq_lens, 1, 8, 32, seed=5)
+    cfg = dataclasses.replace(topk_default_config(k, "cpu"), stream=True)
+    kw = dict(k=k, max_logits_bytes=4 * 64 * 60, compress_ratio=1)
+    got = run_prefill(q, w, query_lens, seq_lens, dense, topk_config=cfg, **kw)
+    ks, ke, pieces = reference_topk(q, w, dense, query_lens, seq_lens, 1, k)
+    for rows, want in pieces:
+        assert ref.topk_validity(want, got[rows], ks[rows], ke[rows], k).all()
+    plain = run_prefill(q, w, query_lens, seq_lens, dense, **kw)
+    assert torch.equal(got.sort(1).values, plain.sort(1).values)
 
 
 @pytest.mark.interpreter
