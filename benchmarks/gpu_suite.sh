@@ -96,7 +96,7 @@ for stage in "${@:-setup tests-alloc alloc-bench}"; do
     indexer-goals) step indexer_goals $py benchmarks/indexer/bench_indexer.py --no-sweep \
                      --only ceilings,logits,topk,prefill --json "$OUT/indexer_goals.json" ;;
     topk) step topk_bench $py benchmarks/indexer/bench_topk.py --json "$OUT/topk.json" ;;
-    topk-check) step topk_gpu_tests "${pytest[@]}" -m gpu tests/indexer/test_topk.py ;;
+    topk-check) step topk_gpu_tests "${pytest[@]}" -m gpu tests/indexer/test_topk.py tests/indexer/test_topk_stream.py ;;
     tp) step tp_seed $py benchmarks/alloc/tp_seed.py --json "$OUT/tp_seed.json" --markdown "$OUT/tp_seed.md" ;;
     memory-viz) step memory_viz $py examples/memory_viz.py "$OUT/memory_viz" ;;
     torch-tests) step torch_tests $py benchmarks/alloc/torch_tests.py --tests "${TORCH_TESTS:-.torch-tests/test_cuda.py}" \
