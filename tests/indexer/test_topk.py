@@ -225,9 +225,9 @@ def test_topk_gpu_defaults_on_long_rows():
     assert path.tolist() == [PATH_SAMPLED, PATH_SAMPLED, PATH_TIES, PATH_SAMPLED]
 
 
-@pytest.mark.interpreter
-def test_topk_signs_zeros_and_infinities():
-    n = 300
+def signed_rows(n=300):
+    """Rows of both zeros, both infinities and the float range's end, a row of -inf and one
+    of zeros of alternating signs, with their (ks, ke)."""
     row = torch.linspace(-5, 5, n)
     row[::7] = -0.0
     row[3::11] = 0.0
@@ -237,7 +237,13 @@ def test_topk_signs_zeros_and_infinities():
     x = torch.stack([row, -row, row.flip(0), torch.full((n,), float("-inf")),
                      torch.where(torch.arange(n) % 2 == 0, 0.0, -0.0)])
     ks = torch.tensor([0, 10, 150, 0, 0], dtype=torch.int32)
-    ke = torch.tensor([n, 290, n, n, n], dtype=torch.int32)
+    ke = torch.tensor([n, n - 10, n, n, n], dtype=torch.int32)
+    return x, ks, ke
+
+
+@pytest.mark.interpreter
+def test_topk_signs_zeros_and_infinities():
+    x, ks, ke = signed_rows()
     check_topk(x, ks, ke, K)
     check_topk(x, ks, ke, K, config=TopkConfig(block=64, collect_block=32, cand=64,
                                                chunk=32, runs=4, run=4, z=3.0, stages=1,
@@ -267,10 +273,9 @@ def test_topk_clamps_ranges_to_the_row():
     check_topk(x, ks, ke, K)
 
 
-@pytest.mark.interpreter
-@settings(max_examples=25, deadline=None, derandomize=True)
-@given(st.data())
-def test_topk_property_exact_set(data):
+def draw_rows(data):
+    """Hypothesis' rows: k, and [m, n] logits of few levels (ties) or of normal values at
+    scales from 1e-20 to 1e20, with ranges that may leave the row."""
     k = data.draw(st.integers(1, 40), label="k")
     n = data.draw(st.integers(1, 900), label="n")
     m = data.draw(st.integers(1, 4), label="m")
@@ -284,6 +289,14 @@ def test_topk_property_exact_set(data):
                                                                    generator=g)
     ks = torch.randint(-3, n + 1, (m,), generator=g, dtype=torch.int32)
     ke = torch.randint(-3, n + 4, (m,), generator=g, dtype=torch.int32)
+    return k, x, ks, ke
+
+
+@pytest.mark.interpreter
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(st.data())
+def test_topk_property_exact_set(data):
+    k, x, ks, ke = draw_rows(data)
     cfg = data.draw(st.sampled_from([None, TopkConfig(
         block=64, collect_block=32, cand=max(64, 2 * triton.next_power_of_2(k)), chunk=32,
         runs=4, run=2, z=1.0, stages=1, num_warps=4, programs_per_sm=1)]), label="config")

@@ -14,7 +14,7 @@ from indexer import TopkConfig, top_k_per_row
 from indexer import reference as ref
 from indexer import topk as topk_mod
 from indexer.topk import PATH_TIES, default_config, scratch_elems
-from tests.indexer.test_topk import CPU_CFG, K, check_topk, ragged_rows
+from tests.indexer.test_topk import CPU_CFG, K, check_topk, draw_rows, ragged_rows, signed_rows
 from tests.support import indexer_gpu as gpu
 from tests.support.aot import GPUS, compile_kernel, innermost_loops, resources, spill_ops
 
@@ -88,18 +88,12 @@ def test_topk_stream_ties_in_the_list_and_beyond_it():
 @pytest.mark.interpreter
 def test_topk_stream_signs_zeros_infinities_and_negative_floors():
     n = 300
-    row = torch.linspace(-5, 5, n)
-    row[::7] = -0.0
-    row[3::11] = 0.0
-    row[5] = float("inf")
-    row[9] = float("-inf")
-    row[17] = -3.4e38
+    x, ks, ke = signed_rows(n)
     g = torch.Generator().manual_seed(68)
-    x = torch.stack([row, -row, row.flip(0), torch.full((n,), float("-inf")),
-                     torch.where(torch.arange(n) % 2 == 0, 0.0, -0.0),
-                     torch.randn(n, generator=g) - 10.0, torch.randn(n, generator=g) * 1e-30])
-    ks = torch.tensor([0, 10, 150, 0, 0, 0, 3], dtype=torch.int32)
-    ke = torch.tensor([n, 290, n, n, n, n, n], dtype=torch.int32)
+    x = torch.cat([x, torch.stack([torch.randn(n, generator=g) - 10.0,
+                                   torch.randn(n, generator=g) * 1e-30])])
+    ks = torch.cat([ks, torch.tensor([0, 3], dtype=torch.int32)])
+    ke = torch.cat([ke, torch.tensor([n, n], dtype=torch.int32)])
     _, path = check_topk(x, ks, ke, K, config=STREAM_CFG)
     assert path[5] == topk_mod.PATH_STREAM, path       # the floor below zero: keys compared
 
@@ -124,19 +118,7 @@ def test_topk_stream_gpu_config_on_long_rows():
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(st.data())
 def test_topk_stream_property_exact_set(data):
-    k = data.draw(st.integers(1, 40), label="k")
-    n = data.draw(st.integers(1, 900), label="n")
-    m = data.draw(st.integers(1, 4), label="m")
-    levels = data.draw(st.sampled_from([2, 7, 1000, 0]), label="levels")
-    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
-    g = torch.Generator().manual_seed(seed)
-    if levels:
-        x = torch.randint(-levels, levels, (m, n), generator=g).float() / 3
-    else:
-        x = torch.randn(m, n, generator=g) * 10.0 ** torch.randint(-20, 20, (m, 1),
-                                                                   generator=g)
-    ks = torch.randint(-3, n + 1, (m,), generator=g, dtype=torch.int32)
-    ke = torch.randint(-3, n + 4, (m,), generator=g, dtype=torch.int32)
+    k, x, ks, ke = draw_rows(data)
     kp = triton.next_power_of_2(k)
     cfg = data.draw(st.sampled_from([
         dataclasses.replace(default_config(k, "cpu"), stream=True),
