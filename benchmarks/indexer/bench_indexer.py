@@ -65,7 +65,8 @@ def parse_args(argv=None):
                    "warps,stages (portable kernel) or wgmma:stages,consumers,linear_terms (sm_90 kernel)")
     p.add_argument("--topk-config", help="top-k config as comma-separated field=value pairs of "
                    "TopkConfig (block, collect_block, cand, chunk, runs, run, z, stages, "
-                   "num_warps, programs_per_sm); fields left out keep the default for k")
+                   "num_warps, programs_per_sm, sampled, stream, segment); fields left out keep the "
+                   "default for k (stream=True: the streaming layout)")
     p.add_argument("--prompt", type=int, default=254_000)
     p.add_argument("--chunk", type=int, default=3_200)
     p.add_argument("--budget-mb", type=int, default=512)

@@ -46,8 +46,10 @@ def dtype_name(dtype) -> str:
 
 
 def topk_name(cfg: TopkConfig) -> str:
+    layout = (f"stream seg {cfg.segment or 'auto'}" if cfg.stream
+              else f"x{cfg.programs_per_sm}/SM")
     return (f"b{cfg.block}/{cfg.collect_block} cand {cfg.cand} s{cfg.stages} w{cfg.num_warps} "
-            f"x{cfg.programs_per_sm}/SM")
+            f"{layout}")
 
 
 def topk_config_text(cfg: TopkConfig) -> str:

@@ -96,8 +96,11 @@ def test_bench_indexer_topk_config_text_round_trips():
     cases = _bench_module("cases")
     from indexer import topk
     default = topk.default_config(2048)
-    for cfg in (default, dataclasses.replace(default, sampled=False, z=2.5, stages=3)):
+    for cfg in (default, dataclasses.replace(default, sampled=False, z=2.5, stages=3),
+                dataclasses.replace(default, stream=True, segment=16384)):
         assert cases.parse_topk_config(cases.topk_config_text(cfg), 2048) == cfg
+    assert "stream seg 16384" in cases.topk_name(dataclasses.replace(default, stream=True,
+                                                                     segment=16384))
     for bad in ("sampled=yes", "stages=three", "colour=4", "block="):
         with pytest.raises(SystemExit, match="--topk-config"):
             cases.parse_topk_config(bad, 2048)

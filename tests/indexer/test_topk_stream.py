@@ -176,7 +176,7 @@ def test_topk_stream_long_rows_and_decode_shapes(m, n):
 # --- compiled ahead of time ------------------------------------------------------------------
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("name", ["sm_90", "sm_100"])
+@pytest.mark.parametrize("name", ["sm_90"])
 def test_topk_stream_kernels_compile_without_spills_in_the_stream(name):
     """The streaming kernel as top_k_per_row launches it over [4096, 65536] logits: its
     segment loop pipelined (cp.async) without spills, all ``programs_per_sm`` programs
