@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from .errors import ConfigError, excerpt
 from .units import MAX_SIZE, whole_number
 
 ENV_VAR = "INDEXER_ARENA_CONF"
@@ -193,7 +193,7 @@ def from_env(environ: Mapping[str, str] | None = None) -> Config:
         budget = _parse_value(KEYS["budget_mb"], vllm.strip(), VLLM_BUDGET_VAR)
         if "budget_mb" in values and values["budget_mb"] != budget:
             raise ConfigError("budget_mb", values["budget_mb"], "the same budget in both places",
-                              f"{ENV_VAR}, while {VLLM_BUDGET_VAR}={vllm}",
+                              f"{ENV_VAR}, while {VLLM_BUDGET_VAR}={excerpt(vllm)}",
                               "the two settings disagree")
         values["budget_mb"] = budget
     return Config(**values)
@@ -209,7 +209,7 @@ def flag_value(name: str, flag: str, value: int | str | None) -> object:
     try:
         return key.parse(str(value).strip())
     except ValueError as e:
-        raise ValueError(f"{flag} {value}: {e}; accepted: {key.accepted}") from None
+        raise ValueError(f"{flag} {excerpt(value)}: {e}; accepted: {key.accepted}") from None
 
 
 def describe_keys() -> str:

@@ -34,6 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from alloc.errors import excerpt
 from alloc.records import (CSV_ACTIONS, EXTRA_COLUMNS, RMM_COLUMNS, STREAM_NONE,  # noqa: F401 (the CSV writer's home)
                            Event, csv_lines, format_time, write_csv)
 from alloc.units import MAX_DEVICES, MAX_SIZE, U64_MAX, bound_name, bounded, is_count, is_int_in, whole_number
@@ -131,8 +132,8 @@ def read_csv(path: str | os.PathLike, *, text: str | None = None) -> TraceFile:
     missing = [c for c in RMM_COLUMNS if c not in header]
     doubled = sorted({c for c in header if header.count(c) > 1})
     if missing or doubled:
-        why = f"missing {', '.join(missing)}" if missing else f"{', '.join(doubled)} appear twice"
-        raise TraceFormatError(path, "line 1", f"bad header {lines[0].rstrip()!r} ({why}): expected "
+        why = f"missing {', '.join(missing)}" if missing else f"{excerpt(', '.join(doubled))} appear twice"
+        raise TraceFormatError(path, "line 1", f"bad header {excerpt(lines[0].rstrip())} ({why}): expected "
                                f"RMM's logging_resource_adaptor header {','.join(RMM_COLUMNS)}, "
                                f"optionally followed by {','.join(EXTRA_COLUMNS)}")
     col = {name: header.index(name) for name in (*RMM_COLUMNS, *EXTRA_COLUMNS) if name in header}
@@ -148,11 +149,11 @@ def read_csv(path: str | os.PathLike, *, text: str | None = None) -> TraceFile:
         if len(fields) != len(header):
             cut = " (the last line, cut short: was the file truncated?)" if not raw.endswith("\n") else ""
             raise TraceFormatError(path, f"line {lineno}", f"expected {len(header)} fields "
-                                   f"({','.join(header)}), found {len(fields)}: {line!r}{cut}")
+                                   f"({excerpt(','.join(header))}), found {len(fields)}: {excerpt(line)}{cut}")
         action_text = fields[col["Action"]]
         action = ACTION_OF_CSV.get(action_text)
         if action is None:
-            raise TraceFormatError(path, f"line {lineno}", f"unknown action {action_text!r}; "
+            raise TraceFormatError(path, f"line {lineno}", f"unknown action {excerpt(action_text)}; "
                                    f"expected one of {', '.join(ACTION_OF_CSV)}")
         values = {}
         for name, parse in CSV_FIELDS.items():
@@ -162,7 +163,7 @@ def read_csv(path: str | os.PathLike, *, text: str | None = None) -> TraceFile:
                 values[name] = parse(fields[col[name]])
             except ValueError as e:
                 raise TraceFormatError(path, f"line {lineno}",
-                                       f"bad {name} {fields[col[name]][:60]!r}: {e}") from None
+                                       f"bad {name} {excerpt(fields[col[name]])}: {e}") from None
         pool = fields[col["Pool"]] if "Pool" in col else GENERAL
         if not pool:
             raise TraceFormatError(path, f"line {lineno}", "empty Pool")
@@ -365,7 +366,7 @@ def write_snapshot(snapshot: dict, path: str | os.PathLike) -> None:
 
 class _PlainUnpickler(pickle.Unpickler):
     """Snapshots hold only dicts, lists, tuples, strings and numbers: no class may be loaded, so a
-    hostile pickle cannot run code."""
+    hostile pickle cannot run code. (load_snapshot quotes the message cut to an excerpt.)"""
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: a memory snapshot holds "
@@ -380,7 +381,7 @@ def load_snapshot(path: str | os.PathLike, *, data: bytes | None = None) -> dict
     try:
         snapshot = _PlainUnpickler(io.BytesIO(data)).load()
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
-        raise TraceFormatError(path, None, f"not a readable memory snapshot pickle: {e}") from None
+        raise TraceFormatError(path, None, f"not a readable memory snapshot pickle: {excerpt(str(e), 200)}") from None
     if not isinstance(snapshot, dict) or not isinstance(snapshot.get("segments"), list) \
             or not isinstance(snapshot.get("device_traces"), list):
         raise TraceFormatError(path, None, "not a PyTorch memory snapshot: expected a dict with "
@@ -393,10 +394,10 @@ def _fields(path: str, where: str, item, required: dict, optional: dict) -> None
     """`item` must be a dict whose required keys (and optional ones, when present) pass their checks;
     a check is (test, what it expects)."""
     if not isinstance(item, dict):
-        raise TraceFormatError(path, where, f"expected an object, found {item!r}")
+        raise TraceFormatError(path, where, f"expected an object, found {excerpt(item)}")
     for key, (test, expected) in {**required, **optional}.items():
         if (key in required or key in item) and not test(item.get(key)):
-            raise TraceFormatError(path, f"{where}.{key}", f"expected {expected}, found {item.get(key)!r}")
+            raise TraceFormatError(path, f"{where}.{key}", f"expected {expected}, found {excerpt(item.get(key))}")
 
 
 COUNT = (is_count, f"an integer from 0 to {bound_name(U64_MAX)}")
@@ -464,7 +465,7 @@ def trace_from_snapshot(snapshot: dict, path: str = "<snapshot>") -> TraceFile:
                 continue
             action = _SNAPSHOT_ACTIONS.get(t["action"])
             if action is None:
-                raise TraceFormatError(path, where, f"unknown action {t['action']!r}; expected one of "
+                raise TraceFormatError(path, where, f"unknown action {excerpt(t['action'])}; expected one of "
                                        f"{', '.join([*_SNAPSHOT_ACTIONS, *_SNAPSHOT_SKIPPED])}")
             needed = ("size",) if action == "fail" else ("addr", "size")
             for key in needed:

@@ -33,7 +33,7 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from alloc.config import flag_value
-from alloc.errors import ArenaError
+from alloc.errors import ArenaError, excerpt
 from alloc.records import Event
 from alloc.units import MAX_DEVICES, MAX_SIZE, bound_name, fmt_bytes, is_count, is_int_in, output_width
 
@@ -106,18 +106,18 @@ def check_report(report: object, path: str = "<report>") -> dict:
     if not isinstance(report, dict):
         raise bad("not a JSON object")
     if report.get("format") not in (REPORT_FORMAT, FORMAT_1):
-        raise bad(f"not an indexer-arena memory report (format {report.get('format')!r}, expected "
+        raise bad(f"not an indexer-arena memory report (format {excerpt(report.get('format'))}, expected "
                   f"{REPORT_FORMAT!r} or the older {FORMAT_1!r})")
     renames = FORMAT_1_NAMES if report["format"] == FORMAT_1 else {}
     if not is_int_in(report.setdefault("budget", 0), 0, MAX_SIZE):
-        raise bad(f"'budget': expected a byte count from 0 to {bound_name(MAX_SIZE)}, found {report['budget']!r}")
+        raise bad(f"'budget': expected a byte count from 0 to {bound_name(MAX_SIZE)}, found {excerpt(report['budget'])}")
     if not isinstance(report.get("devices"), list):
         raise bad("'devices' missing or not a list")
     for i, dev in enumerate(report["devices"]):
         if not isinstance(dev, dict) or not is_int_in(dev.get("device"), 0, MAX_DEVICES - 1) \
                 or not isinstance(dev.get("pools"), list) or not isinstance(dev.setdefault("unified", False), bool):
             raise bad(f"devices[{i}]: expected {{'device': 0 to {bound_name(MAX_DEVICES - 1)}, 'unified': bool, "
-                      f"'pools': [...]}}, found {dev!r:.200}")
+                      f"'pools': [...]}}, found {excerpt(dev)}")
         for j, pool in enumerate(dev["pools"]):
             where = f"devices[{i}].pools[{j}]"
             if not isinstance(pool, dict) or not isinstance(pool.get("pool"), str) \
@@ -126,21 +126,21 @@ def check_report(report: object, path: str = "<report>") -> dict:
             for k, block in enumerate(pool["blocks"]):
                 if not (isinstance(block, list) and len(block) == 6 and all(map(is_count, block))):
                     raise bad(f"{where}.blocks[{k}]: expected [region_base, offset, size, requested, "
-                              f"used, stream] (integers from 0 to 2**64 - 1), found {block!r}")
+                              f"used, stream] (integers from 0 to 2**64 - 1), found {excerpt(block)}")
             stats = pool.get("stats")
             if stats is None:
                 pool["stats"] = stats_from_blocks(pool["blocks"])
                 continue
             if not isinstance(stats, dict):
-                raise bad(f"{where}.stats: expected an object of the arena's statistics, found {stats!r}")
+                raise bad(f"{where}.stats: expected an object of the arena's statistics, found {excerpt(stats)}")
             stats = pool["stats"] = {renames.get(name, name): value for name, value in stats.items()}
             for name, value in stats.items():
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1 \
                     if name == "fragmentation" else is_count(value)
                 if not ok:  # the C core writes counts, and fragmentation as a fraction
-                    raise bad(f"{where}.stats.{name}: expected "
+                    raise bad(f"{where}.stats[{excerpt(name)}]: expected "
                               f"{'a fraction from 0 to 1' if name == 'fragmentation' else 'a count from 0 to 2**64 - 1'}, "
-                              f"found {value!r}")
+                              f"found {excerpt(value)}")
     return report
 
 
@@ -431,8 +431,8 @@ def load(path: str, *, budget: int | None = None, allow_unknown_frees: bool = Fa
         try:
             with open(path) as f:
                 data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ReportError(f"{path}: not valid JSON: {e}") from None
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an int of over 4,300 digits
+            raise ReportError(f"{path}: not valid JSON: {excerpt(str(e), 200)}") from None
         except RecursionError:
             raise ReportError(f"{path}: nested too deeply to be a memory report") from None
         if at == "peak":

@@ -1,4 +1,5 @@
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from alloc import ArenaOutOfMemory, Config, ConfigError, from_env, workspace_arena
 from alloc.config import ENV_VAR, VLLM_BUDGET_VAR, parse
@@ -176,3 +177,20 @@ def test_a_nul_byte_in_a_path_key_is_refused_in_one_line():
     assert str(e.value) == ("invalid value '/proc/meminfo\\x00/x' for 'meminfo' (from INDEXER_ARENA_CONF): "
                             "a NUL byte at position 13 would end the path there in C; accepted: a path to a "
                             "file in /proc/meminfo format")
+
+
+@settings(max_examples=40, deadline=None)
+@given(piece=st.text(min_size=1, max_size=3).filter(lambda t: not set(t) & set(",:")),
+       length=st.one_of(st.integers(0, 200), st.sampled_from([81, 5000, 8 << 20])),
+       where=st.sampled_from(["value", "key", "no colon", "vllm", "scope"]))
+def test_a_setting_of_any_length_is_refused_in_one_bounded_line(piece, length, where):
+    """However long the bad text in INDEXER_ARENA_CONF (a value, a key, a key without its value), in
+    VLLM_SPARSE_INDEXER_MAX_LOGITS_MB or in INDEXER_ARENA_SCOPE, the refusal quotes an excerpt."""
+    from alloc.engine_plugin import SCOPE_VAR, scope_from_env
+    bad = (piece * (length // len(piece) + 1))[:length] + "z"
+    environ = {"value": {ENV_VAR: f"budget_mb:{bad}"}, "key": {ENV_VAR: f"{bad}:1"},
+               "no colon": {ENV_VAR: f"budget_mb{bad}"}, "vllm": {VLLM_BUDGET_VAR: bad},
+               "scope": {SCOPE_VAR: bad}}[where]
+    with pytest.raises(ConfigError) as e:
+        scope_from_env(environ) if where == "scope" else from_env(environ)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 400, str(e.value)[:400]

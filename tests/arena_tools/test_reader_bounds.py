@@ -232,3 +232,113 @@ def test_every_integer_field_of_a_json_report(tmp_path, capsys, field, value):
 def test_the_readers_device_bound_is_the_cores():
     from alloc._core import lib  # the readers themselves run without the compiled core
     assert MAX_DEVICES == lib.IA_MAX_DEVICES
+
+
+# -- every refusal quotes a bounded excerpt -----------------------------------------------------------
+# Whatever field is malformed and however long it is, the refusal is one line that quotes at most an
+# excerpt of it (alloc.errors.excerpt): never a line as large as the file.
+LINE_MOST = 600
+"""Characters an error line may hold beside the file's path: its fixed words and a few excerpts."""
+LENGTHS = st.one_of(st.integers(0, 200), st.sampled_from([81, 5000, 1 << 20, 8 << 20]))
+PIECES = st.text(min_size=1, max_size=3).filter(lambda t: not set(t) & set(",\r\n\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"))
+BOUND_SETTINGS = settings(SETTINGS, max_examples=int(os.environ.get("FUZZ_EXAMPLES", "30")))
+
+
+def long_text(piece: str, length: int) -> str:
+    """``length`` characters of ``piece`` repeated, and one that no numeric field takes."""
+    return (piece * (length // len(piece) + 1))[:length] + "z"
+
+
+def one_bounded_line(rc: int, line: str, path) -> None:
+    assert rc == 2 and "\n" not in line and len(line) <= len(str(path)) + LINE_MOST, (rc, len(line), line[:300])
+
+
+def csv_case(case: str, bad: str) -> str:
+    if case == "header":
+        return f"{bad},Time\n"
+    if case == "doubled":
+        return f"{HEADER.strip()},{bad},{bad}\n"
+    if case == "fields":
+        return HEADER + f"1,00:00:01.000001,allocate,0x10000,4096,0x0,0,large,{bad}\n"
+    row = {"Thread": "7", "Time": "00:00:01.000001", "Action": "allocate", "Pointer": "0x10000",
+           "Size": "4096", "Stream": "0x0", "Device": "0", "Pool": "large", case: bad}
+    return HEADER + ",".join(row[c] for c in HEADER.strip().split(",")) + "\n"
+
+
+@BOUND_SETTINGS
+@given(case=st.sampled_from(["header", "doubled", "fields", "Thread", "Time", "Action", "Pointer", "Size",
+                             "Stream", "Device"]), piece=PIECES, length=LENGTHS)
+def test_a_malformed_csv_field_of_any_length_is_refused_in_one_bounded_line(tmp_path, capsys, case, piece,
+                                                                             length):
+    path = tmp_path / "t.csv"
+    path.write_text(csv_case(case, long_text(piece, length)))
+    for command, argv in ((report.main, []), (replay.main, ["--allocators", "host", "--no-progress"])):
+        one_bounded_line(*run(command, [str(path), *argv], capsys), path)
+
+
+HUGE_VALUES = st.one_of(st.builds(long_text, PIECES, LENGTHS),
+                        st.builds(lambda n: 1 << n, st.sampled_from([64, 300, 20_000, 8 << 20])),
+                        st.builds(lambda s, n: [s] * n, st.builds(long_text, PIECES, LENGTHS),
+                                  st.sampled_from([2, 1000, 100_000])),
+                        st.builds(lambda s: {s: s}, st.builds(long_text, PIECES, LENGTHS)))
+"""A malformed value of any size: a long string, an integer of many digits, a long list, a dict."""
+JSON_VALUES = st.one_of(st.builds(long_text, PIECES, LENGTHS), st.builds(lambda n: 1 << n, st.sampled_from([64, 300, 10_000])),
+                        st.builds(lambda n: [0.5] * n, st.sampled_from([7, 1000, 100_000])),
+                        st.builds(lambda s: {s: s}, st.builds(long_text, PIECES, LENGTHS)))
+"""The same, as a JSON file holds them (its integers as Python reads back: up to 4,300 digits)."""
+
+
+@BOUND_SETTINGS
+@given(field=st.sampled_from(sorted(SNAPSHOT_FIELDS, key=str) + [("device_traces", 0, 0, "action"),
+                                                                  ("segments", 0), ("segments", 0, "blocks", 0)]),
+       value=HUGE_VALUES)
+def test_a_malformed_snapshot_field_of_any_length_is_refused_in_one_bounded_line(tmp_path, capsys, field, value):
+    doc = snapshot()
+    put(doc, field, value)
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(doc, protocol=4))
+    for command, argv in ((report.main, []), (replay.main, ["--allocators", "host", "--no-progress"])):
+        one_bounded_line(*run(command, [str(path), *argv], capsys), path)
+
+
+@BOUND_SETTINGS
+@given(name=st.builds(long_text, st.sampled_from(["os", "x.y", "é"]), LENGTHS))
+def test_a_class_named_in_a_pickle_is_refused_in_one_bounded_line(tmp_path, capsys, name):
+    path = tmp_path / "s.pickle"
+    path.write_bytes(b"\x80\x04" + b"\x8c" + b"\x02os" + b"\x8d" + len(name.encode()).to_bytes(8, "little")
+                     + name.encode() + b"\x93.")  # protocol 4: SHORT_BINUNICODE, BINUNICODE8, STACK_GLOBAL
+    one_bounded_line(*run(report.main, [str(path)], capsys), path)
+
+
+@BOUND_SETTINGS
+@given(field=st.sampled_from(sorted(REPORT_FIELDS, key=str) + [("format",), ("devices", 0),
+                                                                ("devices", 0, "pools", 0, "stats")]),
+       value=JSON_VALUES)
+def test_a_malformed_report_field_of_any_length_is_refused_in_one_bounded_line(tmp_path, capsys, field, value):
+    doc = json_report()
+    put(doc, field, value)
+    path = tmp_path / "r.json"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    one_bounded_line(*run(report.main, [str(path)], capsys), path)
+
+
+@BOUND_SETTINGS
+@given(name=st.builds(long_text, PIECES, LENGTHS),
+       value=st.one_of(st.sampled_from([-1, 1 << 64, 1.5, None]), st.builds(long_text, PIECES, LENGTHS)))
+def test_a_statistic_of_any_name_and_value_is_refused_in_one_bounded_line(tmp_path, capsys, name, value):
+    doc = json_report()
+    doc["devices"][0]["pools"][0]["stats"][name] = value
+    path = tmp_path / "r.json"
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    one_bounded_line(*run(report.main, [str(path)], capsys), path)
+
+
+@pytest.mark.parametrize("digits", [4301, 1 << 20])
+def test_a_json_integer_of_more_digits_than_python_reads_is_refused_in_one_line(tmp_path, capsys, digits):
+    path = tmp_path / "r.json"
+    path.write_text('{"format": "indexer-arena-report-2", "budget": ' + "9" * digits + ', "devices": []}')
+    rc, line = run(report.main, [str(path)], capsys)
+    one_bounded_line(rc, line, path)
+    assert "not valid JSON" in line and "4300" in line, line
