@@ -386,7 +386,7 @@ def load_snapshot(path: str | os.PathLike, *, data: bytes | None = None) -> dict
             or not isinstance(snapshot.get("device_traces"), list):
         raise TraceFormatError(path, None, "not a PyTorch memory snapshot: expected a dict with "
                                "'segments' and 'device_traces' lists")
-    check_snapshot(snapshot, path)
+    check_snapshot(snapshot, path, len(data))
     return snapshot
 
 
@@ -409,20 +409,50 @@ MICROSECONDS = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool
                 "a non-negative number of microseconds whose nanoseconds fit in 64 bits")
 
 
-def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
+ITEMS_PER_BYTE = 1
+"""The limit on the work a snapshot pickle makes: it may name at most this many segments, blocks,
+trace entries and statistics per byte of the file. Each takes a byte of the pickle at least (its
+opcode; a name of an object met before, through the pickle's memo, two), so only a pickle that names
+the same list over and over goes past it: one list of blocks shared by every segment, a 226 KB file
+naming 2*10^8 blocks, which every reader would walk. Such a file is refused before anything walks it
+(check_snapshot), and every tool's work on a snapshot is then proportional to the file's size."""
+
+
+class _Walk:
+    """Counts the items check_snapshot meets against the limit (ITEMS_PER_BYTE)."""
+
+    def __init__(self, path: str, size: int | None):
+        self.path, self.size, self.seen = path, size, 0
+
+    def take(self, items, where: str) -> None:
+        self.seen += len(items) if isinstance(items, (list, dict)) else 0
+        if self.size is not None and self.seen > self.size * ITEMS_PER_BYTE:
+            raise TraceFormatError(self.path, where, f"names more segments, blocks, trace entries and "
+                                   f"statistics than the file's {self.size} bytes ({ITEMS_PER_BYTE} a byte "
+                                   "at most): it names the same objects over and over through the "
+                                   "pickle's memo, which no snapshot writer does; refused before walking them")
+
+
+def check_snapshot(snapshot: dict, path: str = "<snapshot>", size: int | None = None) -> None:
     """Every field of a snapshot that the reports and the replay read, checked once; raises
-    TraceFormatError naming the field."""
+    TraceFormatError naming the field. ``size``: the file's bytes, which bound the items it may
+    name (ITEMS_PER_BYTE)."""
+    walk = _Walk(path, size)
+    walk.take(snapshot["segments"], "segments")
     for i, seg in enumerate(snapshot["segments"]):
         where = f"segments[{i}]"
         _fields(path, where, seg, {"address": COUNT},
                 {"total_size": COUNT, "device": DEVICE, "stream": COUNT, "ia_pool": TEXT, "segment_type": TEXT,
                  "blocks": (lambda v: isinstance(v, list), "a list")})
+        walk.take(seg.get("blocks"), f"{where}.blocks")
         for k, block in enumerate(seg.get("blocks", [])):
             _fields(path, f"{where}.blocks[{k}]", block, {"size": COUNT},
                     {"requested_size": COUNT, "state": TEXT})
+    walk.take(snapshot["device_traces"], "device_traces")
     for d, entries in enumerate(snapshot["device_traces"]):
         if not isinstance(entries, list):
             raise TraceFormatError(path, f"device_traces[{d}]", "not a list of trace entries")
+        walk.take(entries, f"device_traces[{d}]")
         try:
             if entries:
                 bounded(d, 0, MAX_DEVICES - 1)
@@ -437,12 +467,15 @@ def check_snapshot(snapshot: dict, path: str = "<snapshot>") -> None:
         return
     _fields(path, "indexer_arena", meta, {}, {"budget": BUDGET, "dropped": COUNT,
             "devices": (lambda v: isinstance(v, list), "a list"), "stats": (lambda v: isinstance(v, list), "a list")})
+    walk.take(meta.get("devices"), "indexer_arena.devices")
     for i, dev in enumerate(meta.get("devices", [])):
         _fields(path, f"indexer_arena.devices[{i}]", dev, {"device": DEVICE},
                 {"unified": (lambda v: isinstance(v, bool), "true or false")})
+    walk.take(meta.get("stats"), "indexer_arena.stats")
     for i, st in enumerate(meta.get("stats", [])):
         _fields(path, f"indexer_arena.stats[{i}]", st,
                 {"device": DEVICE, "pool": TEXT, "stats": (lambda v: isinstance(v, dict), "an object")}, {})
+        walk.take(st["stats"], f"indexer_arena.stats[{i}].stats")
 
 
 _SNAPSHOT_ACTIONS = {"alloc": "alloc", "free_completed": "free", "free": "free", "oom": "fail",

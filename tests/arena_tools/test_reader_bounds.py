@@ -342,3 +342,54 @@ def test_a_json_integer_of_more_digits_than_python_reads_is_refused_in_one_line(
     rc, line = run(report.main, [str(path)], capsys)
     one_bounded_line(rc, line, path)
     assert "not valid JSON" in line and "4300" in line, line
+
+
+# -- work bounded by the file -------------------------------------------------------------------------
+def shared_snapshot(segments: int, blocks: int, entries: int = 1, traces: int = 1) -> bytes:
+    """A snapshot pickle that names one segment ``segments`` times and, in it, one block ``blocks``
+    times, through the pickle's memo: a few bytes per name, so the file is small and the blocks it
+    names are segments * blocks."""
+    doc = snapshot()
+    block = {"size": 4096, "requested_size": 0, "state": "inactive"}
+    segment = dict(doc["segments"][0], total_size=4096 * blocks, blocks=[block] * blocks)
+    doc["segments"] = [segment] * segments
+    doc["device_traces"] = [doc["device_traces"][0] * entries] * traces
+    return pickle.dumps(doc, protocol=4)
+
+
+@pytest.mark.parametrize("shape", [dict(segments=2000, blocks=2000), dict(segments=1, blocks=1, entries=2000,
+                                                                           traces=2000)])
+@pytest.mark.parametrize("command", [report.main, replay.main])
+def test_a_small_snapshot_naming_millions_of_blocks_is_refused_at_once(tmp_path, capsys, command, shape):
+    """Item 5 of issue 47: a 226 KB pickle named 2*10^8 blocks and the tools walked them; here 4*10^6
+    blocks (or trace entries) from a file of about 20 KB."""
+    import time
+    path = tmp_path / "s.pickle"
+    path.write_bytes(shared_snapshot(**shape))
+    assert path.stat().st_size < 40_000
+    start = time.perf_counter()
+    rc, line = run(command, [str(path), "--allocators", "host", "--no-progress"] if command is replay.main
+                   else [str(path)], capsys)
+    assert time.perf_counter() - start < 0.5
+    assert rc == 2 and "names more segments, blocks, trace entries and statistics than" in line, line
+
+
+@SETTINGS
+@given(segments=st.integers(1, 40), blocks=st.integers(1, 40), entries=st.integers(0, 40),
+       traces=st.integers(1, 3))
+def test_a_snapshot_is_read_when_its_names_are_within_its_bytes_and_refused_past_them(segments, blocks, entries,
+                                                                                      traces):
+    """The limit is the file's own size: a snapshot is read exactly when it names no more segments,
+    blocks, trace entries and statistics than it has bytes (alloc.export.ITEMS_PER_BYTE each)."""
+    from arena_tools.export import ITEMS_PER_BYTE, load_snapshot
+    data = shared_snapshot(segments, blocks, entries, traces)
+    doc = pickle.loads(data)
+    named = (len(doc["segments"]) + sum(len(s["blocks"]) for s in doc["segments"]) + len(doc["device_traces"])
+             + sum(map(len, doc["device_traces"])) + len(doc["indexer_arena"]["devices"])
+             + sum(1 + len(s["stats"]) for s in doc["indexer_arena"]["stats"]))
+    try:
+        load_snapshot("s.pickle", data=data)
+    except TraceFormatError as e:
+        assert named > len(data) * ITEMS_PER_BYTE and "names more" in str(e), (named, len(data), str(e))
+    else:
+        assert named <= len(data) * ITEMS_PER_BYTE
