@@ -36,6 +36,13 @@ def _current_device() -> int:
     return torch.cuda.current_device()
 
 
+def _capturing() -> bool:
+    """Whether the current stream captures a CUDA graph (a module function, as _current_device, so
+    that the CPU tests can stand in for a device)."""
+    import torch
+    return torch.cuda.is_current_stream_capturing()
+
+
 def _arena_refusals(plugin, device: int) -> int:
     arena = plugin.device_arena(device, "workspace")
     return arena.stats()["requests_failed"] if arena is not None else 0
@@ -76,7 +83,7 @@ def logits_in_workspace(estimate: Callable[[tuple, dict], int] | None = None, lo
                 with plugin.workspace():
                     return fn(*args, **kwargs)
             except torch.OutOfMemoryError:
-                if torch.cuda.is_current_stream_capturing() or _arena_refusals(plugin, device) == refused:
+                if _capturing() or _arena_refusals(plugin, device) == refused:
                     raise  # not the arena's refusal, or a capture, which cannot be retried
             return _serve_outside(fn, args, kwargs, device, nbytes,
                                   "did not fit in what the arena had free", logger)

@@ -344,3 +344,34 @@ def test_sglangs_logits_budget_is_capped_at_the_workspaces():
     print(capped(device_index=2) >> 20, capped(device_index=3) >> 20)
     """)
     assert out == ["64 1"]
+
+
+@pytest.mark.parametrize("capturing, arena_refuses, says", [
+    (False, True, "served outside: outside"),        # the arena's refusal: served by the engine's allocator
+    (True, True, "raised: OutOfMemoryError"),         # but not inside a capture, which cannot be retried
+    (False, False, "raised: OutOfMemoryError"),       # nor a refusal that is not the arena's
+])
+def test_a_refused_logits_request_is_served_outside_except_in_a_capture_or_when_not_the_arenas(
+        capturing, arena_refuses, says):
+    out = _host(f"""
+    import torch
+    engines._capturing = lambda: {capturing}
+    plugin.reserve(0)  # the workspace arena, which the engine's start reserves
+    def logits():
+        if not alloc.in_workspace():
+            return "outside"
+        if {arena_refuses}:
+            try:
+                plugin.device_arena(0, "workspace").allocate(2 << 20)  # over the 1 MiB budget
+            except alloc.ArenaOutOfMemory as e:
+                raise torch.OutOfMemoryError(str(e)) from None
+        raise torch.OutOfMemoryError("the device itself")
+    routed = engines.logits_in_workspace()(logits)
+    try:
+        print("served outside:", routed())
+    except torch.OutOfMemoryError as e:
+        print("raised:", type(e).__name__)
+    print("outside calls:", alloc.memory_stats(0)["arena.outside.calls"])
+    """, budget_mb=1)
+    assert says in out, out
+    assert f"outside calls: {1 if says.startswith('served') else 0}" in out, out

@@ -209,3 +209,33 @@ def test_the_scope_chosen_at_install_decides_what_reserve_and_the_pool_do(scope)
     assert out["pool_after"].endswith("the allocator is installed in process scope")
     assert out["asked"] == [] and out["reserved"] is True and out["in_workspace"] is True
     assert out["reserved_bytes"] == out["stats_reserved"] == 4 << 20  # the core's counts
+
+
+WORKSPACE_OOM = """
+from alloc._core import ffi, lib
+from alloc import shims
+c = ffi.new("ia_plugin_config_t *")
+c.budget, c.alignment, c.unified, c.host_memory = 1 << 20, 256, 0, 1
+c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())
+assert lib.ia_plugin_configure(c) == lib.IA_OK
+KiB = 1 << 10
+def alloc(size):
+    return lib.ia_torch_alloc(size, 0, ffi.cast("void *", 1), ffi.NULL)
+lib.ia_workspace_enter()
+blocks = [alloc(size) for size in (300 * KiB, 100 * KiB, 200 * KiB, 100 * KiB, 324 * KiB)]
+lib.ia_torch_free(blocks[0])
+lib.ia_torch_free(blocks[2])
+alloc(400 * KiB + 1)   # 500 KiB free in two pieces, the larger 300 KiB: refused
+print("returned")
+"""
+
+
+def test_the_workspace_out_of_memory_message_gives_the_arenas_figures():
+    """The figures inside the message, each one: what was asked (in bytes too), the device, the
+    budget, what the arena holds, what is in use and its largest free block (after fragmentation:
+    300 KiB of 500 KiB free)."""
+    done = run_python(WORKSPACE_OOM)
+    assert "returned" not in done.stdout and done.returncode != 0
+    assert ("indexer-arena: workspace request of 400.00 KiB (409601 bytes) on device 0 does not fit the "
+            "workspace arena (budget 1.00 MiB; it holds 1.00 MiB, 524.00 KiB in use, largest free block "
+            "300.00 KiB)") in done.stderr, done.stderr
