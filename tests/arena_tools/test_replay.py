@@ -308,3 +308,35 @@ def test_worker_failures_become_error_rows(files):
     args = replay.build_parser().parse_args([str(files["csv"]), "--timeout", "0.05"])
     row = gpu_replay.run_worker("expandable", str(files["csv"]), args, None, 512)
     assert row["error"].startswith("timed out")
+
+
+UNKNOWN_FREES = "Thread,Time,Action,Pointer,Size,Stream,Device,Pool\n" \
+                "1,00:00:00.000001,allocate,0x10,16,0x0,0,large\n{free}\n"
+
+
+@pytest.mark.parametrize("free, refused", [
+    ("1,00:00:00.000002,free,0xdead,16,0x0,0,large", "free of 0xdead on device 0"),   # never allocated
+    ("1,00:00:00.000002,free,0x10,16,0x0,1,large", "free of 0x10 on device 1"),       # another device's
+    ("1,00:00:00.000002,free,0x0,0,0x0,0,large", None),                               # free(NULL)
+    ("1,00:00:00.000002,free,0x10,16,0x0,0,large", None),                             # the allocation's
+])
+def test_replay_refuses_a_free_of_an_address_no_allocation_returned(tmp_path, capsys, free, refused):
+    path = tmp_path / "t.csv"
+    path.write_text(UNKNOWN_FREES.format(free=free))
+    rc = replay.main([str(path), "--allocators", "host", "--no-progress"])
+    err = capsys.readouterr().err
+    if refused is None:
+        assert rc == 0, err
+        return
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"{path}: line 3: {refused}, which no earlier allocate in this trace returned" in err
+    assert "--allow-unknown-frees" in err
+    assert replay.main([str(path), "--allocators", "host", "--no-progress", "--allow-unknown-frees"]) == 0
+    # a snapshot whose ring dropped events may have lost the allocation: its unknown frees are skipped
+    trace = export.read_csv(path)
+    snap = export.to_snapshot(None, trace.events, dropped=0)
+    export.write_snapshot(snap, tmp_path / "s.pickle")
+    assert replay.main([str(tmp_path / "s.pickle"), "--allocators", "host", "--no-progress"]) == 2
+    snap["indexer_arena"]["dropped"] = 1
+    export.write_snapshot(snap, tmp_path / "s.pickle")
+    assert replay.main([str(tmp_path / "s.pickle"), "--allocators", "host", "--no-progress"]) == 0

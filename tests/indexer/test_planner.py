@@ -89,6 +89,19 @@ def test_negative_lengths_raise(seqs, queries):
         split_prefill_chunks(seqs, queries, 10, 10)
 
 
+@pytest.mark.parametrize("workspace, budget", [(-1, 10), (10, -1), (-1, -1)])
+def test_a_negative_workspace_or_budget_raises(workspace, budget):
+    with pytest.raises(ValueError, match="workspace_size and max_logits_bytes must be >= 0"):
+        split_prefill_chunks([1, 2], [1, 1], workspace, budget)
+    assert split_prefill_chunks([1, 2], [1, 1], max(workspace, 0), max(budget, 0))  # zero is a budget
+
+
+def test_footprints_of_a_plan_with_an_offset():
+    seqs, queries = [30, 40, 7, 0, 90], [3, 40, 7, 0, 12]
+    result = split_prefill_chunks(seqs, queries, 100, 4000, request_offset=5)
+    assert chunk_footprints(result, seqs, 5) == [(3, 30), (25, 40), (15, 40), (7, 7), (11, 90), (1, 90)]
+
+
 def test_mismatched_lengths_raise():
     with pytest.raises(ValueError, match="entries"):
         split_prefill_chunks([1, 2], [1], 10, 10)
@@ -150,8 +163,16 @@ def test_plan_properties(batch, workspace, budget, offset):
             assert grown_w > workspace or sum(queries[a:b + 1]) * grown_w > elems
     want = [(r, j) for r in range(len(batch)) for j in range(queries[r])]
     assert covered == want, "every query exactly once, in order"
-    footprints = chunk_footprints(result, seqs, offset)
-    assert len(footprints) == len(result)
+    # each piece's footprint, counted apart from chunk_footprints: its rows are the queries it
+    # covers (counted above, one by one), its width the kv of the requests of its group
+    covered_rows = iter(covered)  # in plan order: each piece takes the next ones
+    rows_of = [sum(1 for _ in zip(range(qs.stop - qs.start), covered_rows)) for _, qs in result]
+    kv_start = [0]
+    for kv in seqs:
+        kv_start.append(kv_start[-1] + kv)
+    want_footprints = [(rows_of[i], kv_start[r.stop - offset] - kv_start[r.start - offset])
+                       for i, (r, _) in enumerate(result)]
+    assert chunk_footprints(result, seqs, offset) == want_footprints
 
 
 @settings(max_examples=200, deadline=None)
