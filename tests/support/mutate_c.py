@@ -1,0 +1,177 @@
+"""Mutation testing of the C core: realistic one-line changes to csrc/, one at a time, each built and
+put to the tests that should notice it. A mutant the tests fail on is killed; one they pass
+survives, and either a test is missing or the change is equivalent (it cannot change behaviour).
+
+Every mutant is applied to a copy of the tree (the working tree is never touched): the copy is
+made once (with the built core, so that a rebuild compiles the mutated file alone), then for each
+mutant the file is changed, the core rebuilt (``alloc/_build.py``), the mutant's tests run with
+``pytest -x``, and the file restored.
+
+    nice -n 10 python tests/support/mutate_c.py [--tree DIR] [--only N,M] [--timeout S]
+
+``--tree`` takes the tests from another checkout (e.g. an older commit, unpacked with
+``git archive``), to compare kill rates before and after new tests; the mutants must still apply
+there (a line a mutant names that is not found is reported, not counted). It prints one line per
+mutant and the kill rate; exit status 0 when every applicable mutant was killed, 1 otherwise.
+It is a development tool, not run by the test suite (each mutant takes a rebuild: minutes in all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ARENA = ("tests/alloc/arena/test_basic.py", "tests/alloc/arena/test_stats.py", "tests/alloc/arena/test_property.py")
+LIMITS = ("tests/alloc/arena/test_basic.py",)
+OOM = ("tests/alloc/plugin/test_cpu.py",)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    path: str       # under csrc/
+    before: str     # the text replaced: must occur exactly once in the file
+    after: str
+    tests: tuple[str, ...]
+    why: str        # what the mutant models
+
+    def label(self) -> str:
+        return f"{self.path}: {self.why}"
+
+
+MUTANTS = (
+    Mutant("arena_regions.c", "capacity.current + want > a->opts.limit", "capacity.current + want > a->opts.limit + 1",
+           LIMITS, "an arena's limit allows one byte over"),
+    Mutant("arena_regions.c", "capacity.current + want > a->opts.limit", "capacity.current + want >= a->opts.limit",
+           LIMITS, "an arena's limit refuses growth that lands on it"),
+    Mutant("arena_regions.c", "capacity.current + want > group;", "capacity.current + want > group + 1;",
+           LIMITS, "the device totals' limit allows one byte over"),
+    Mutant("arena_regions.c", "capacity.current + want > group;", "capacity.current + want >= group;",
+           LIMITS, "the device totals' limit refuses growth that lands on it"),
+    Mutant("arena_regions.c", "if (!group) return false;", "if (group) return false;",
+           LIMITS, "the device totals' limit is never checked"),
+    Mutant("arena_regions.c", "if (_ia_release_free_regions(a)) a->stats.retries++;",
+           "_ia_release_free_regions(a);", LIMITS, "a retry after releasing free regions is not counted"),
+    Mutant("arena_regions.c", "return rounded > o->region_min ? rounded : o->region_min;", "return rounded;",
+           ARENA, "regions below region_min"),
+    Mutant("arena_stats.c", "if (b->size > largest) largest = b->size;", "largest = b->size;",
+           ARENA, "largest free block: the last of its class, not the largest"),
+    Mutant("arena_stats.c", "for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)",
+           "for (block_t *b = a->bins[fl][sl]; b && b == a->bins[fl][sl]; b = b->free_next)",
+           ARENA, "largest free block: the first of its class only"),
+    Mutant("arena_stats.c", "unsigned sl = _ia_log2_floor(a->sl_bitmap[fl]);",
+           "unsigned sl = (unsigned)__builtin_ctz(a->sl_bitmap[fl]);", ARENA,
+           "largest free block: looked for in the lowest class of the level"),
+    Mutant("arena_stats.c", "1.0 - (double)out->largest_free / (double)out->free_bytes",
+           "(double)out->largest_free / (double)out->free_bytes", ARENA, "fragmentation inverted"),
+    Mutant("arena.c", "b->size - rsize >= a->opts.alignment ?", "b->size - rsize > a->opts.alignment ?",
+           ARENA, "a tail of exactly the alignment is not split off"),
+    Mutant("arena.c", "  b->requested = size;\n", "  b->requested = rsize;\n", ARENA,
+           "a live block's requested bytes are its rounded size"),
+    Mutant("arena.c", "  if (b->requested > b->size) b->requested = b->size;\n", "", ARENA,
+           "a free block may claim more requested bytes than it holds"),
+    Mutant("arena.c", "    tail->requested = b->requested;\n", "    tail->requested = 0;\n", ARENA,
+           "a split's free tail forgets the requested bytes"),
+    Mutant("arena.c", "prev->requested = b->requested;", "(void)0;", ARENA,
+           "a merge keeps the earlier block's requested bytes"),
+    Mutant("arena.c", "_ia_count_live(a, 1, (int64_t)b->size, (int64_t)size);",
+           "_ia_count_live(a, 1, (int64_t)b->size, (int64_t)b->size);", ARENA,
+           "requested counted as the block's size"),
+    Mutant("arena.c", "  a->stats.free_blocks++;\n", "", ARENA, "free blocks not counted"),
+    Mutant("plugin_oom.c", "_ia_format_bytes(s.largest_free, largest, sizeof largest));",
+           "_ia_format_bytes(s.free_bytes, largest, sizeof largest));", OOM,
+           "the OOM message's largest free block is the free bytes"),
+    Mutant("plugin_oom.c", "_ia_format_bytes((uint64_t)s.in_use.current, used, sizeof used),",
+           "_ia_format_bytes((uint64_t)s.requested.current, used, sizeof used),", OOM,
+           "the OOM message's in-use figure is the requested bytes"),
+    Mutant("plugin_oom.c", "opening, req, size, device, _ia_format_bytes(_ia_plugin.config.budget, budget",
+           "opening, req, size + 1, device, _ia_format_bytes(_ia_plugin.config.budget, budget", OOM,
+           "the OOM message's byte count is off by one"),
+    Mutant("plugin_oom.c", "_ia_format_bytes((uint64_t)s.capacity.current, cap, sizeof cap), pages,",
+           "_ia_format_bytes((uint64_t)s.capacity.peak, cap, sizeof cap), pages,", OOM,
+           "the OOM message gives the peak capacity"),
+    Mutant("plugin_oom.c", "if (size <= 1024) snprintf", "if (size < 1024) snprintf", OOM,
+           "PyTorch's words: 1024 bytes written as 1.00 KiB"),
+)
+
+
+def copy_tree(source: Path, tests_from: Path | None, into: Path) -> Path:
+    """A copy of the working tree (the built core included, not .git); its tests from another
+    checkout when given."""
+    tree = into / "tree"
+    shutil.copytree(source, tree, ignore=shutil.ignore_patterns(".git", "__pycache__", ".hypothesis",
+                                                                 ".pytest_cache", "mutants"), symlinks=True)
+    if tests_from is not None:
+        shutil.rmtree(tree / "tests")
+        shutil.copytree(tests_from / "tests", tree / "tests", symlinks=True)
+        (tree / "tests" / "support" / "stress").mkdir(parents=True, exist_ok=True)
+    return tree
+
+
+def build(tree: Path) -> bool:
+    done = subprocess.run([sys.executable, "alloc/_build.py"], cwd=tree, capture_output=True, text=True)
+    return done.returncode == 0
+
+
+def run_tests(tree: Path, tests: tuple[str, ...], timeout: float) -> bool:
+    """True when the tests pass (the mutant survives)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    try:
+        done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests],
+                              cwd=tree, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return False  # a mutant that hangs the tests is noticed too
+    return done.returncode == 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tree", type=Path, help="take the tests from this checkout")
+    p.add_argument("--only", help="comma-separated mutant numbers (1-based)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds allowed to one mutant's tests")
+    args = p.parse_args(argv)
+    chosen = [int(n) for n in args.only.split(",")] if args.only else range(1, len(MUTANTS) + 1)
+    with tempfile.TemporaryDirectory(prefix="mutate-c-") as tmp:
+        tree = copy_tree(ROOT, args.tree, Path(tmp))
+        if not build(tree) or not run_tests(tree, tuple(sorted({t for m in MUTANTS for t in m.tests})),
+                                            args.timeout * 3):
+            print("the unmutated tree does not build or pass its tests: nothing to measure")
+            return 1
+        killed = survived = 0
+        for n in chosen:
+            m = MUTANTS[n - 1]
+            path = tree / "csrc" / m.path
+            original = path.read_text()
+            if original.count(m.before) != 1:
+                print(f"{n:2} not applicable ({m.before!r} is not in {m.path} once): {m.label()}")
+                continue
+            start = time.monotonic()
+            path.write_text(original.replace(m.before, m.after))
+            try:
+                built = build(tree)
+                alive = built and run_tests(tree, m.tests, args.timeout)
+            finally:
+                path.write_text(original)
+                os.utime(path)  # newer than its object file: the next build compiles it again
+            if not built:
+                print(f"{n:2} not applicable (does not compile): {m.label()}")
+                continue
+            killed += not alive
+            survived += alive
+            print(f"{n:2} {'SURVIVED' if alive else 'killed  '} {time.monotonic() - start:5.0f} s  {m.label()}",
+                  flush=True)
+        build(tree)
+        total = killed + survived
+        print(f"killed {killed} of {total} mutants ({100 * killed / max(total, 1):.0f}%)")
+        return 0 if survived == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
