@@ -16,6 +16,7 @@ MAX_DEVICES = 64
 
 _BOUNDS = {U64_MAX: ("2**64 - 1", "the most a 64-bit field holds"),
            MAX_SIZE: ("2**62", "the most an arena takes"),
+           U64_MAX - 1: ("2**64 - 2", "the highest stream; 2**64 - 1 is the core's no-stream value"),
            MAX_DEVICES - 1: (str(MAX_DEVICES - 1), "the highest device index the allocator serves")}
 
 

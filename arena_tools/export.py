@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from alloc.errors import excerpt
-from alloc.records import (CSV_ACTIONS, EXTRA_COLUMNS, RMM_COLUMNS, STREAM_NONE,  # noqa: F401 (the CSV writer's home)
-                           Event, csv_lines, format_time, write_csv)
+from alloc.records import (CSV_ACTIONS, EXTRA_COLUMNS, MAX_STREAM, RMM_COLUMNS,  # noqa: F401 (the CSV writer's home)
+                           STREAM_NONE, Event, csv_lines, format_time, write_csv)
 from alloc.units import MAX_DEVICES, MAX_SIZE, U64_MAX, bound_name, bounded, is_count, is_int_in, whole_number
 
 ACTION_OF_CSV = {v: k for k, v in CSV_ACTIONS.items()}
@@ -95,7 +95,7 @@ def _parse_pointer(text: str) -> int:
 def _parse_stream(text: str) -> int:
     if text == "(nil)":
         return 0
-    return _count(text, 16 if text.lstrip("-")[:2].lower() == "0x" else 10)
+    return _count(text, 16 if text.lstrip("-")[:2].lower() == "0x" else 10, MAX_STREAM)
 
 
 def _parse_time(text: str) -> int:
@@ -506,6 +506,9 @@ def trace_from_snapshot(snapshot: dict, path: str = "<snapshot>") -> TraceFile:
                     raise TraceFormatError(path, where, f"{key} missing or not a non-negative integer")
             time_ns = t.get("ia_time_ns", int(t.get("time_us", 0) * 1000))
             stream = t.get("ia_stream", t.get("stream", 0))
+            if stream == STREAM_NONE and action != "reserve" and action != "release":
+                raise TraceFormatError(path, where, f"stream {stream}: more than {bound_name(MAX_STREAM)}: an "
+                                       f"allocation or a free is made on a stream")
             event = Event(time_ns=time_ns, thread=t.get("ia_thread", 0), action=action,
                           address=t.get("addr", 0) if action != "fail" else 0, size=t["size"],
                           stream=stream if isinstance(stream, int) and stream >= 0 else 0,

@@ -18,10 +18,10 @@ from arena_tools.export import TraceFormatError, check_snapshot, read_csv
 from arena_tools.report import ReportError, check_report
 
 HIGHEST_DEVICE = MAX_DEVICES - 1
-WORDS = {U64_MAX: "2**64 - 1", MAX_SIZE: "2**62", HIGHEST_DEVICE: str(HIGHEST_DEVICE)}
+WORDS = {U64_MAX: "2**64 - 1", U64_MAX - 1: "2**64 - 2", MAX_SIZE: "2**62", HIGHEST_DEVICE: str(HIGHEST_DEVICE)}
 """How a refusal names each bound."""
 
-EDGES = sorted({0, 1, HIGHEST_DEVICE, MAX_DEVICES, MAX_SIZE, MAX_SIZE + 1, 2**63, U64_MAX, 2**64,
+EDGES = sorted({0, 1, HIGHEST_DEVICE, MAX_DEVICES, MAX_SIZE, MAX_SIZE + 1, 2**63, U64_MAX - 1, U64_MAX, 2**64,
                 2**72, 2**80, 10**20, 10**30, -1, -(2**64)})
 VALUES = st.one_of(st.sampled_from(EDGES), st.integers(-(1 << 90), 1 << 90))
 SETTINGS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")), deadline=None,
@@ -40,7 +40,7 @@ def run(command, argv, capsys) -> tuple[int, str]:
 
 
 # -- CSV traces -----------------------------------------------------------------------------------------
-CSV_COLUMNS = {"Thread": U64_MAX, "Pointer": U64_MAX, "Size": U64_MAX, "Stream": U64_MAX,
+CSV_COLUMNS = {"Thread": U64_MAX, "Pointer": U64_MAX, "Size": U64_MAX, "Stream": U64_MAX - 1,
                "Device": HIGHEST_DEVICE}
 HEADER = "Thread,Time,Action,Pointer,Size,Stream,Device,Pool\n"
 
@@ -82,7 +82,8 @@ def test_every_integer_column_of_a_csv_trace(tmp_path, capsys, column, value):
 
 @pytest.mark.parametrize("column, text, bound", [
     ("Size", str(2**64), "18446744073709551615 (2**64 - 1"), ("Size", str(10**30), "2**64 - 1"),
-    ("Stream", f"{2**72:#x}", "2**64 - 1"), ("Pointer", f"{2**80:#x}", "2**64 - 1"),
+    ("Stream", f"{2**72:#x}", "2**64 - 2"), ("Pointer", f"{2**80:#x}", "2**64 - 1"),
+    ("Stream", f"{U64_MAX:#x}", "2**64 - 1 is the core's no-stream value"),
     ("Device", str(10**20), "more than 63"), ("Size", "1_000", "digits 0-9"), ("Device", "+1", "digits 0-9"),
 ])
 def test_the_numbers_of_the_issue_exit_2_naming_value_and_bound(tmp_path, capsys, column, text, bound):
@@ -153,6 +154,21 @@ def test_every_integer_field_of_a_snapshot(tmp_path, capsys, field, value):
     path.write_bytes(pickle.dumps(doc, protocol=4))
     run(report.main, [str(path), "--text", str(tmp_path / "out.txt")], capsys)
     run(replay.main, [str(path), "--allocators", "host", "--no-progress", "--json", str(tmp_path / "r.json")], capsys)
+
+
+@pytest.mark.parametrize("key", ["ia_stream", "stream"])
+def test_an_allocation_on_the_no_stream_value_in_a_snapshot_exits_2(tmp_path, capsys, key):
+    """The core's no-stream value (2**64 - 1) marks a region's events; an allocation or a free
+    recorded on it is refused in one line, before the replay hands it to an arena."""
+    doc = snapshot()
+    entry = doc["device_traces"][0][0]
+    del entry["ia_stream"]
+    entry[key] = U64_MAX
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(doc, protocol=4))
+    for command, argv in ((report.main, []), (replay.main, ["--allocators", "host", "--no-progress"])):
+        rc, line = run(command, [str(path), *argv], capsys)
+        assert rc == 2 and "device_traces[0][0]: stream 18446744073709551615: more than" in line, line
 
 
 def test_events_of_a_device_past_the_highest_are_refused():
