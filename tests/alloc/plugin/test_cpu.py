@@ -222,7 +222,7 @@ KiB = 1 << 10
 def alloc(size):
     return lib.ia_torch_alloc(size, 0, ffi.cast("void *", 1), ffi.NULL)
 lib.ia_workspace_enter()
-blocks = [alloc(size) for size in (300 * KiB, 100 * KiB, 200 * KiB, 100 * KiB, 324 * KiB)]
+blocks = [alloc(size) for size in (300 * KiB, 100 * KiB + 1, 200 * KiB, 100 * KiB, 324 * KiB - 256)]
 lib.ia_torch_free(blocks[0])
 lib.ia_torch_free(blocks[2])
 alloc(400 * KiB + 1)   # 500 KiB free in two pieces, the larger 300 KiB: refused
@@ -232,10 +232,56 @@ print("returned")
 
 def test_the_workspace_out_of_memory_message_gives_the_arenas_figures():
     """The figures inside the message, each one: what was asked (in bytes too), the device, the
-    budget, what the arena holds, what is in use and its largest free block (after fragmentation:
-    300 KiB of 500 KiB free)."""
+    budget, what the arena holds, what is in use (by block size: 524 KiB, of which 255 bytes were not
+    asked for) and its largest free block (after fragmentation: 300 KiB of 500 KiB free)."""
     done = run_python(WORKSPACE_OOM)
     assert "returned" not in done.stdout and done.returncode != 0
     assert ("indexer-arena: workspace request of 400.00 KiB (409601 bytes) on device 0 does not fit the "
             "workspace arena (budget 1.00 MiB; it holds 1.00 MiB, 524.00 KiB in use, largest free block "
             "300.00 KiB)") in done.stderr, done.stderr
+
+
+GENERAL_OOM = """
+import json
+from alloc._core import ffi, lib
+from alloc import shims
+from alloc.arena import stats_dict
+c = ffi.new("ia_plugin_config_t *")
+c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 1 << 20, 256, 0, 1, 0
+c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())
+assert lib.ia_plugin_configure(c) == lib.IA_OK
+def alloc(size):
+    return lib.ia_torch_alloc(size, 0, ffi.cast("void *", 1), ffi.NULL)
+alloc(3 * (1 << 20) + 1)              # live: its block is rounded up, so in use > requested
+lib.ia_torch_free(alloc(64 << 20))    # a region of its own, given back by empty_cache: peak > held
+lib.ia_torch_empty_cache()
+s = ffi.new("ia_stats_t *")
+lib.ia_arena_stats(lib.ia_plugin_arena(0, lib.IA_POOL_LARGE), s)
+print(json.dumps(stats_dict(s[0])), flush=True)
+alloc(1 << 50)                        # more than the host can map: the backend refuses
+print("returned")
+"""
+
+
+def test_a_general_pool_out_of_memory_message_gives_what_the_pool_holds_now():
+    """The general pool's figures in its message are the current ones (held, in use by block size,
+    largest free block), not the peaks or the requested bytes, which differ here."""
+    import json
+
+    from alloc.units import fmt_bytes
+    done = run_python(GENERAL_OOM)
+    assert "returned" not in done.stdout and done.returncode != 0
+    s = json.loads(done.stdout.splitlines()[0])
+    assert s["capacity_peak"] > s["capacity"] and s["in_use"] > s["requested"] and s["largest_free"]
+    assert (f"request of 1024.00 TiB (1125899906842624 bytes) on device 0 for the general large pool (it holds "
+            f"{fmt_bytes(s['capacity'])}, {fmt_bytes(s['in_use'])} in use, largest free block "
+            f"{fmt_bytes(s['largest_free'])}; the workspace arena holds a further nothing") in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("size, words", [(1024, "1024 bytes"), (1025, "1.00 KiB"), (1 << 20, "1024.00 KiB"),
+                                         ((1 << 20) + 1, "1.00 MiB"), ((1 << 30) + 1, "1.00 GiB")])
+def test_the_out_of_memory_opening_sizes_a_request_as_pytorch_does(size, words):
+    """PyTorch's format_size: bytes up to 1024, then KiB up to 1 MiB, MiB up to 1 GiB, then GiB."""
+    done = run_python(OOM_VIA_SHIM.replace("ia_torch_alloc(4096,", f"ia_torch_alloc({size},").format(
+        hook='c.raise_oom = ffi.cast("void (*)(const char *)", shims.raise_oom_address())'))
+    assert f"CUDA out of memory. Tried to allocate {words}. indexer-arena:" in done.stderr, done.stderr
