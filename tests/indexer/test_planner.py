@@ -102,6 +102,19 @@ def test_footprints_of_a_plan_with_an_offset():
     assert chunk_footprints(result, seqs, 5) == [(3, 30), (25, 40), (15, 40), (7, 7), (11, 90), (1, 90)]
 
 
+def test_errors_name_the_entry_and_the_default_offset_is_zero():
+    with pytest.raises(ValueError) as e:
+        split_prefill_chunks([1, -1], [1, 1], 10, 10)
+    assert str(e.value) == "seq_lens[1] is -1; lengths must be >= 0"
+    with pytest.raises(ValueError) as e:
+        split_prefill_chunks([1, 1], [1, -2], 10, 10)
+    assert str(e.value) == "query_lens[1] is -2; lengths must be >= 0"
+    with pytest.raises(ValueError) as e:
+        split_prefill_chunks([1, 2], [1], 10, 10)
+    assert str(e.value) == "seq_lens has 2 entries but query_lens has 1"
+    assert split_prefill_chunks([5], [5], 100, 1000) == [(slice(0, 1), slice(0, 5))]
+
+
 def test_mismatched_lengths_raise():
     with pytest.raises(ValueError, match="entries"):
         split_prefill_chunks([1, 2], [1], 10, 10)
