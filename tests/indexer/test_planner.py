@@ -91,8 +91,9 @@ def test_negative_lengths_raise(seqs, queries):
 
 @pytest.mark.parametrize("workspace, budget", [(-1, 10), (10, -1), (-1, -1)])
 def test_a_negative_workspace_or_budget_raises(workspace, budget):
-    with pytest.raises(ValueError, match="workspace_size and max_logits_bytes must be >= 0"):
+    with pytest.raises(ValueError) as e:
         split_prefill_chunks([1, 2], [1, 1], workspace, budget)
+    assert str(e.value) == "workspace_size and max_logits_bytes must be >= 0"
     assert split_prefill_chunks([1, 2], [1, 1], max(workspace, 0), max(budget, 0))  # zero is a budget
 
 
@@ -113,6 +114,9 @@ def test_errors_name_the_entry_and_the_default_offset_is_zero():
         split_prefill_chunks([1, 2], [1], 10, 10)
     assert str(e.value) == "seq_lens has 2 entries but query_lens has 1"
     assert split_prefill_chunks([5], [5], 100, 1000) == [(slice(0, 1), slice(0, 5))]
+    with pytest.raises(ValueError) as e:
+        split_prefill_chunks([5], [5], 100, 1000, request_offset=1.5)
+    assert str(e.value) == "request_offset must be an int, got 1.5"
 
 
 def test_mismatched_lengths_raise():
