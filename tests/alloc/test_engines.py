@@ -375,3 +375,14 @@ def test_a_refused_logits_request_is_served_outside_except_in_a_capture_or_when_
     """, budget_mb=1)
     assert says in out, out
     assert f"outside calls: {1 if says.startswith('served') else 0}" in out, out
+
+
+def test_a_logits_request_of_exactly_the_budget_is_taken_inside():
+    out = _host("""
+    import torch
+    routed = engines.logits_in_workspace(engines.paged_logits_bytes, "engine.x")(
+        lambda q, kv, weights, lens, tables, schedule, width: alloc.in_workspace())
+    rows = torch.zeros(256, 2)  # 256 rows x 1,024 columns x 4 bytes: 1 MiB, the budget
+    print("exact:", routed(None, None, rows, None, None, None, 1024), routed(None, None, rows, None, None, None, 1025))
+    """, budget_mb=1)
+    assert "exact: True False" in out, out
