@@ -340,3 +340,15 @@ def test_replay_refuses_a_free_of_an_address_no_allocation_returned(tmp_path, ca
     snap["indexer_arena"]["dropped"] = 1
     export.write_snapshot(snap, tmp_path / "s.pickle")
     assert replay.main([str(tmp_path / "s.pickle"), "--allocators", "host", "--no-progress"]) == 0
+
+
+def test_the_plan_skips_frees_it_holds_no_allocation_for_and_marks_the_first_op_at_the_peak():
+    """compile_trace on a trace check() has not shortened (e.g. built in code): a free of an address
+    no allocation in it returned is left out; the peak's op is the first to reach the peak."""
+    trace = _trace(("free", 0xdead, 16, 0, "general"),
+                   ("alloc", 0x100, 1000, 0, "workspace"),
+                   ("free", 0x100, 1000, 0, "workspace"),
+                   ("alloc", 0x100, 1000, 0, "workspace"))  # the same peak again, later
+    plan = compile_trace(trace)
+    assert [op[0] for op in plan.ops] == [ALLOC, FREE, ALLOC]
+    assert plan.peak_live == 1000 and plan.peak_op == 0
