@@ -88,9 +88,9 @@ static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
     snprintf(buf, len, " The pools may hold at most %.0f MiB here (torch.cuda.set_per_process_memory_fraction).",
              (double)atomic_load(&_ia_plugin.devices[device].totals.limit) / (double)MiB);
   else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(buf, len, " %s.", ia_guard_last_message());
-  else if (st == IA_ERR_BACKEND_OUT_OF_MEMORY || (st == IA_ERR_BACKEND && ia_cuda_last_error()[0]))
+  else if ((st == IA_ERR_BACKEND_OUT_OF_MEMORY || st == IA_ERR_BACKEND) && ia_cuda_last_error()[0])
     snprintf(buf, len, " %s.", ia_cuda_last_error()); /* a driver call's own words (mapping, too) */
-  else snprintf(buf, len, " %s.", ia_status_str(st));
+  else snprintf(buf, len, " %s.", ia_status_str(st)); /* the host backend has no driver words */
 }
 
 __attribute__((noinline)) void _ia_fail_alloc(int device, int pool, size_t size, ia_status_t st) {
