@@ -7,15 +7,21 @@ scheduler processes (``load_plugins``) and logs and swallows any ``Exception``. 
 registers one entry point in each group, named ``indexer_arena``. Both read:
 
     INDEXER_ARENA_SCOPE   process or workspace: install the allocator in that scope
-                          (unset or empty: the plugin does nothing)
+                          (unset or empty: the plugin installs nothing)
     INDEXER_ARENA_CONF, VLLM_SPARSE_INDEXER_MAX_LOGITS_MB: the configuration, as everywhere
+    INDEXER_ARENA_DRIVER  the driver's settings, carried to the workers (alloc/engine_settings.py)
 
 In every process the plugin checks the settings (a bad one ends the process with one line, which
-neither engine can swallow: SystemExit) and registers its routes, which wrap engine functions in
-place now or as soon as their module is imported. Only a process that runs the model acts: the
+neither engine can swallow: SystemExit), logs one line naming the process and its settings or why
+it is off, and registers its routes, which wrap engine functions in place now or as soon as their
+module is imported. Off, it registers only the routes marked ``always``: those that carry the
+settings to the workers, and the worker's start, where settings that arrived after the plugin
+loaded are taken up and the ranks compare theirs. Only a process that runs the model acts: the
 route on the worker's start (vLLM ``Worker.init_device``, SGLang ``Scheduler.__init__``) installs
 the allocator there, imports the routes' modules and logs once, at INFO, the engine's version and
-the routes applied. What the routes are, and the entry points, are in ``alloc.engines``.
+the routes applied; after the engine made its process group, the ranks' settings are compared
+(one line naming the rank, or one line naming the ranks that differ, which ends the process).
+What the routes are, and the entry points, are in ``alloc.engines``.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import config as config_mod
+from . import engine_settings as settings_mod
+from .engine_settings import SCOPE_VAR, Resolved, Settings, scope_from_env  # noqa: F401
 from .errors import ArenaError, ConfigError
-
-SCOPE_VAR = "INDEXER_ARENA_SCOPE"
 
 
 @dataclass(frozen=True)
@@ -43,12 +49,14 @@ class Route:
 
     ``versions``: the engine versions whose code has this target (empty: all). ``eager``: the
     worker imports ``module`` at its start, so the route is applied (and logged) then; a kernel
-    library the engine imports lazily (deep_gemm) is routed when the engine imports it."""
+    library the engine imports lazily (deep_gemm) is routed when the engine imports it.
+    ``always``: registered with the plugin off too (the settings' carriers, the worker's start)."""
     module: str
     attribute: str
     wrap: Callable[[Callable], Callable]
     versions: tuple[str, ...] = ()
     eager: bool = True
+    always: bool = False
 
     def __str__(self) -> str:
         return f"{self.module}.{self.attribute}"
@@ -61,6 +69,7 @@ class Engine:
     supported: tuple[str, ...]  # the versions the routes were read from, oldest first
     routes: tuple[Route, ...]
     logger: str                 # a logger under the engine's own, so its handlers print ours
+    world_group: Callable[[], object] | None = None  # the engine's CPU group of all its ranks
 
     def version(self) -> str | None:
         try:
@@ -78,46 +87,79 @@ class Engine:
 class _Active:
     engine: Engine
     version: str | None
-    scope: str
-    config: config_mod.Config
+    settings: Settings
     routes: tuple[Route, ...]
     started: bool = False   # this process runs the model: the allocator is installed
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+    @property
+    def scope(self) -> str:
+        return self.settings.scope
+
+    @property
+    def config(self) -> config_mod.Config:
+        return self.settings.config
+
+
 _active: _Active | None = None
-
-
-def scope_from_env(environ: Mapping[str, str] | None = None) -> str | None:
-    """The scope INDEXER_ARENA_SCOPE names, or None when it is unset or empty."""
-    environ = os.environ if environ is None else environ
-    scope = environ.get(SCOPE_VAR, "").strip()
-    if not scope:
-        return None
-    if scope not in config_mod.SCOPES:
-        raise ConfigError(SCOPE_VAR, scope, f"{' or '.join(config_mod.SCOPES)} (unset: off)",
-                          "the environment", "unknown scope")
-    return scope
+_engine: Engine | None = None     # the engine whose entry point loaded the plugin here
+_resolved: Resolved | None = None  # the settings this process took, and where from
+_ranks_checked = False
 
 
 def load(engine: Engine, environ: Mapping[str, str] | None = None) -> str | None:
-    """What each entry point does: checks the settings and registers ``engine``'s routes for its
-    installed version; returns the scope, or None (changing nothing) when INDEXER_ARENA_SCOPE is
-    unset. A bad setting ends the process with one line (``refuse``)."""
-    global _active
+    """What each entry point does: checks the settings, logs the process's one line and registers
+    ``engine``'s routes for its installed version; returns the scope, or None when the plugin is
+    off here (then only the routes marked ``always`` are registered). A bad setting ends the
+    process with one line (``refuse``)."""
+    global _engine
     environ = os.environ if environ is None else environ
+    resolved = _resolve(engine.logger, environ)
+    _engine = engine
+    for route in engine.routes_for(engine.version()):
+        if route.always:
+            _after_import.apply(route)
+    _log_settings(engine, resolved)
+    return _activate(engine, resolved, environ)
+
+
+def _resolve(logger: str, environ: Mapping[str, str]) -> Resolved:
     try:
-        scope = scope_from_env(environ)
-        if scope is None:
-            return None
-        config = config_mod.from_env(environ)
+        return settings_mod.resolve(environ)
     except ConfigError as e:
-        refuse(engine.logger, str(e))
+        refuse(logger, str(e))
+
+
+def _log_settings(engine: Engine, resolved: Resolved, why: str = "") -> None:
+    warn, line = resolved.line(settings_mod.role())
+    log = logging.getLogger(engine.logger)
+    (log.warning if warn else log.info)("indexer-arena: %s%s", line, why)
+
+
+def _activate(engine: Engine, resolved: Resolved, environ) -> str | None:
+    """Takes ``resolved`` as this process's settings: the driver's replace the node's in the
+    environment, and with a scope the engine's routes are registered."""
+    global _active, _resolved
+    _resolved = resolved
+    if resolved.driver is not None and resolved.driver != resolved.own:
+        resolved.settings.apply(environ)
+    if resolved.settings.scope is None:
+        _active = None
+        return None
     version = engine.version()
-    _active = _Active(engine, version, scope, config, engine.routes_for(version))
+    _active = _Active(engine, version, resolved.settings, engine.routes_for(version))
     for route in _active.routes:
         _after_import.apply(route)
-    return scope
+    return resolved.settings.scope
+
+
+def current_settings() -> Settings:
+    """This process's settings: those the plugin took, or the environment's where it has not
+    loaded (a bad setting ends the process with one line)."""
+    if _resolved is not None:
+        return _resolved.settings
+    return _resolve(_engine.logger if _engine else __name__, os.environ).settings
 
 
 def refuse(logger: str, message: str):
@@ -133,9 +175,25 @@ def refuse(logger: str, message: str):
     raise SystemExit(line)
 
 
+def _take_late_settings() -> None:
+    """At a worker's start: settings that reached the environment after the plugin loaded (vLLM
+    0.33's Ray workers get the driver's in ``initialize_worker``, after vLLM may have loaded its
+    plugins) are taken, with one line."""
+    engine = _engine
+    if engine is None or (_active is not None and _active.started):
+        return
+    resolved = _resolve(engine.logger, os.environ)
+    if _resolved is not None and resolved.settings == _resolved.settings:
+        return
+    _log_settings(engine, resolved, "; taken at the worker's start, after the plugin loaded")
+    _activate(engine, resolved, os.environ)
+
+
 def start_worker() -> None:
-    """In a process that runs the model, once: installs the allocator, imports the routes' modules
-    (so that every route is applied now) and logs the engine's version and the routes."""
+    """In a process that runs the model, once: takes settings that arrived late, installs the
+    allocator, imports the routes' modules (so that every route is applied now) and logs the
+    engine's version and the routes."""
+    _take_late_settings()
     active = _active
     if active is None or active.started:
         return
@@ -263,10 +321,57 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 _after_import = _AfterImport()
 
 
+def check_ranks() -> None:
+    """Once, in a model process whose engine has made its process group: every rank's settings
+    (``Settings.fingerprint``) gathered over the engine's group of all its ranks; one INFO line
+    naming this rank, or one line naming the ranks that differ, which ends the process on every
+    rank alike (each sees the same gathered list), before any collective could hang on it."""
+    global _ranks_checked
+    engine = _engine
+    if engine is None or _ranks_checked:
+        return
+    _ranks_checked = True
+    group = None
+    if engine.world_group is not None:
+        try:
+            group = engine.world_group()
+        except Exception:  # noqa: BLE001 -- no engine group: the default group serves
+            group = None
+    mine = current_settings().fingerprint()
+    gathered = settings_mod.gather(mine, group)
+    if gathered is None:
+        return
+    import torch.distributed as dist
+    who = settings_mod.role(dist.get_rank(), dist.get_world_size())
+    bad = settings_mod.disagreement(gathered)
+    if bad:
+        refuse(engine.logger, f"{who}: {bad}")
+    logging.getLogger(engine.logger).info("indexer-arena: %s: the %d ranks' settings agree: %s",
+                                          who, len(gathered), mine)
+
+
 def starting_worker_first(fn: Callable) -> Callable:
-    """``fn`` after ``start_worker()``: the route on the call that starts a model process."""
+    """``fn`` after ``start_worker()``, then ``check_ranks()``: the route on the call that starts
+    a model process (and makes its process group)."""
     @functools.wraps(fn)
     def call(*args, **kwargs):
         start_worker()
-        return fn(*args, **kwargs)
+        done = fn(*args, **kwargs)
+        check_ranks()
+        return done
+    return call
+
+
+def carrying_settings(fn: Callable) -> Callable:
+    """A function of the engine's that lists what the driver copies to its workers (names, or a
+    mapping of names to values): this process's settings are set in DRIVER_VAR first, and the
+    plugin's variables are added to the names (less those the caller excluded)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        os.environ[settings_mod.DRIVER_VAR] = current_settings().encode()
+        copied = fn(*args, **kwargs)
+        if isinstance(copied, dict):
+            return copied  # the driver's whole environment, DRIVER_VAR included
+        excluded = set(kwargs.get("exclude_vars") or ())
+        return set(copied) | (set(settings_mod.CARRIED) - excluded)
     return call

@@ -25,8 +25,9 @@ import functools
 import logging
 from collections.abc import Callable
 
-from .engine_plugin import (SCOPE_VAR, Engine, Route, _after_import, active_settings, load,  # noqa: F401
-                            refuse, route_status, scope_from_env, start_worker, starting_worker_first)
+from .engine_plugin import (SCOPE_VAR, Engine, Route, _after_import, active_settings,  # noqa: F401
+                            carrying_settings, check_ranks, load, refuse, route_status,
+                            scope_from_env, start_worker, starting_worker_first)
 
 _warned = set()
 
@@ -210,8 +211,27 @@ def _deep_gemm(module: str, names: tuple[str, str], versions, decode, prefill) -
             Route(module, names[1], decode, versions, eager=False))
 
 
+def _world_group(module: str) -> Callable[[], object]:
+    """The engine's group of all its ranks on the CPU (gloo), where the settings are compared."""
+    def group():
+        import importlib
+        return importlib.import_module(module).get_world_group().cpu_group
+    return group
+
+
 VLLM = Engine("vLLM", "vllm", ("0.13.0", "0.33.0"), (
-    Route(_VLLM_WORKER, "Worker.init_device", starting_worker_first),
+    Route(_VLLM_WORKER, "Worker.init_device", starting_worker_first, always=True),
+    # What the driver copies to its workers (alloc/engine_settings.py): each caller's own name
+    # for the function (imported by name), so that a module imported before the plugin loaded
+    # is covered too. The Ray executors: 0.13's copies the names listed, 0.33's RayExecutorV2
+    # the driver's whole environment; the data-parallel engine-core actors: the names listed.
+    Route("vllm.ray.ray_env", "get_env_vars_to_copy", carrying_settings, eager=False, always=True),
+    Route("vllm.v1.engine.utils", "get_env_vars_to_copy", carrying_settings, eager=False,
+          always=True),
+    Route("vllm.v1.executor.ray_executor", "get_env_vars_to_copy", carrying_settings, _V13,
+          eager=False, always=True),
+    Route("vllm.v1.executor.ray_executor_v2", "get_driver_env_vars", carrying_settings, _V33,
+          eager=False, always=True),
     Route(_VLLM_WORKER, "Worker.determine_available_memory", sizing_kv_cache(False, _VLLM_LOG), _V13),
     Route(_VLLM_WORKER, "Worker.determine_available_memory", sizing_kv_cache(True, _VLLM_LOG), _V33),
     Route(_VLLM_WORKER, "Worker.sleep", releasing_after(_VLLM_LOG)),
@@ -227,7 +247,7 @@ VLLM = Engine("vLLM", "vllm", ("0.13.0", "0.33.0"), (
     *_deep_gemm("vllm.third_party.deep_gemm", ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"), _V33,
                 _decode, _prefill),
     *_deep_gemm("deep_gemm", ("fp8_mqa_logits", "fp8_paged_mqa_logits"), _V13, _decode, _prefill),
-), _VLLM_LOG)
+), _VLLM_LOG, _world_group("vllm.distributed.parallel_state"))
 
 _sg_prefill = logits_in_workspace(logger=_SGLANG_LOG)
 _sg_decode = logits_in_workspace(paged_logits_bytes, _SGLANG_LOG)
@@ -235,14 +255,14 @@ _SG_ATTENTION = "sglang.srt.layers.attention"
 
 SGLANG = Engine("SGLang", "sglang", ("0.5.23",), (
     # The scheduler process runs the model; SGLang loads plugins in it before making the Scheduler.
-    Route("sglang.srt.managers.scheduler", "Scheduler.__init__", starting_worker_first),
+    Route("sglang.srt.managers.scheduler", "Scheduler.__init__", starting_worker_first, always=True),
     Route("sglang.srt.mem_cache.kv_cache_configurator", "KVCacheConfigurator._profile_available_bytes",
           reserving_first(_SGLANG_LOG)),
     *_deep_gemm("deep_gemm", ("fp8_mqa_logits", "fp8_paged_mqa_logits"), (), _sg_decode, _sg_prefill),
     Route(f"{_SG_ATTENTION}.mqa_logits_utils", "mqa_logits_static_budget_bytes", capped_to_budget),
     Route(f"{_SG_ATTENTION}.dsa.dsa_indexer", "mqa_logits_static_budget_bytes", capped_to_budget),
     Route(f"{_SG_ATTENTION}.dsa.utils", "mqa_logits_static_budget_bytes", capped_to_budget),
-), _SGLANG_LOG)
+), _SGLANG_LOG, _world_group("sglang.srt.distributed.parallel_state"))
 
 
 def vllm_plugin() -> None:

@@ -283,8 +283,36 @@ def init_rank(allocator: str = "arena", backend: str | None = None, *,
         raise LaunchError(f"the first all-reduce summed to {probe.item()}, not {env.world_size}")
     del probe
     ctx.mark("first collective")
+    _check_ranks_agree(allocator, env, device)
     _context = ctx
     return ctx
+
+
+def rank_settings(allocator: str, environ=None) -> str:
+    """What every rank of one launch must share: the allocator, and the workspace budget and
+    alignment the indexer plans its chunks from (INDEXER_ARENA_CONF, as the arena reads it)."""
+    from alloc import config as config_mod
+    from alloc.engine_settings import planning
+    from alloc.errors import ConfigError
+    try:
+        config = config_mod.from_env(os.environ if environ is None else environ)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+    return f"allocator {allocator}, {planning(config)}"
+
+
+def _check_ranks_agree(allocator: str, env: RankEnv, device) -> None:
+    """Every rank's settings gathered over the new group: ranks started with another
+    INDEXER_ARENA_CONF (another node's environment) are named now, on every rank alike, instead
+    of planning different chunks and hanging in a later collective."""
+    import torch.distributed as dist
+
+    from alloc.engine_settings import disagreement
+    gathered: list = [None] * env.world_size
+    dist.all_gather_object(gathered, rank_settings(allocator))
+    bad = disagreement(gathered)
+    if bad:
+        raise LaunchError(f"rank {env.rank} of {env.world_size}: {bad}")
 
 
 def _free_port(addr: str) -> int:

@@ -47,17 +47,23 @@ def test_entry_points_are_found_and_load_the_plugin(group, target):
 
 
 @needs_entry_points
-def test_without_the_variable_the_plugin_does_nothing():
-    # Each plugin as the engine calls it: loaded by name, called with no arguments.
-    done = run_python(CALL_ENTRY_POINT.format(group="vllm.general_plugins")
+def test_without_the_variable_the_plugin_installs_nothing_and_says_it_is_off():
+    # Each plugin as the engine calls it: loaded by name, called with no arguments. Off, only the
+    # routes marked always are registered (the settings' carriers and the worker's start).
+    done = run_python("import logging; logging.basicConfig(level=logging.INFO)\n"
+                      + CALL_ENTRY_POINT.format(group="vllm.general_plugins")
                       + CALL_ENTRY_POINT.format(group="sglang.srt.plugins") + """
 import alloc, sys
+from alloc import engines
 loaded = "alloc.plugin" in sys.modules  # the compiled core stays unloaded
 print(alloc.is_installed(), "torch" in sys.modules, loaded,
-      len([f for f in sys.meta_path if type(f).__name__ == "_AfterImport"]))
+      len([r for r in engines.route_status() if not r.always]))
 """, env={engines.SCOPE_VAR: ""})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "False", "False", "0"]
+    off = [line for line in done.stderr.splitlines() if "indexer-arena" in line]
+    assert len(off) == 2 and all(": off: INDEXER_ARENA_SCOPE unset on this node" in line
+                                 for line in off), done.stderr  # one line per engine's loader
 
 
 @pytest.mark.parametrize("value, scope", [("process", "process"), (" workspace ", "workspace"),
@@ -222,7 +228,9 @@ print("logits:", m.fp8_fp4_mqa_logits(1, 2))
     assert "installed after load: False" in out and "installed at the start: True process" in out
     assert "logits: ('logits', True)" in out
     info = [line for line in out if line.startswith("INFO fake.indexer_arena")]
-    assert len(info) == 1, done.stdout  # once per process
+    assert len(info) == 2, done.stdout  # the load's line, and the start's, once per process
+    assert info[0].endswith(": process scope, budget 64 MiB (from this node's environment)")
+    info = info[1:]
     assert "Fake 0.1.0, process scope, budget 64 MiB; routes applied: fake_engine.model." \
            "GPUModelRunner.__init__, fake_engine.model.fp8_fp4_mqa_logits" in info[0]
     warnings = [line for line in out if line.startswith("WARNING fake.indexer_arena")]
