@@ -135,11 +135,25 @@ def resolve(environ: Mapping[str, str] | None = None) -> Resolved:
     return Resolved(driver if driver is not None else own, own, driver)
 
 
+def _process_name() -> str:
+    """The name an operator sees in ps: the engines title their processes (vLLM's workers,
+    Ray's actors ``ray::<class>``), else the multiprocessing name, else the script's."""
+    name = multiprocessing.current_process().name
+    if name != "MainProcess":
+        return name
+    try:
+        from setproctitle import getproctitle
+        title = os.path.basename(getproctitle().split()[0])
+    except Exception:  # noqa: BLE001 -- no title library, or no title: the script's name serves
+        title = ""
+    if title and not title.startswith("python"):
+        return title[:40]
+    return os.path.basename(sys.argv[0])[:40] if sys.argv and sys.argv[0] else "python"
+
+
 def role(rank: int | None = None, world: int | None = None) -> str:
     """The process as an operator finds it: its rank once known, its name, pid and host."""
-    name = multiprocessing.current_process().name
-    if name == "MainProcess":
-        name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    name = _process_name()
     who = f"rank {rank} of {world}, " if rank is not None else ""
     return f"{who}{name} (pid {os.getpid()} on {socket.gethostname()})"
 

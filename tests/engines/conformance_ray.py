@@ -53,12 +53,11 @@ def _clean(environ) -> dict:
 def observe(early: bool = False) -> dict:
     """Inside a worker, after vLLM applied the driver's variables and loaded the plugins: the
     worker's start as the route sees it, and what the plugin then runs with."""
+    import vllm.logger  # noqa: F401 -- configures vLLM's loggers, which resets their children
     import alloc
     from alloc import engines, plugin
     lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(f"{r.levelname} {r.getMessage()}")
-    logging.getLogger("vllm.indexer_arena").addHandler(handler)
+    _collect(lines)
     plugin.install = lambda config=None, *, devices=(), scope="process": config  # no GPU here
     from vllm.plugins import load_general_plugins
     load_general_plugins()  # a no-op where vLLM's init path loaded them already
@@ -71,17 +70,26 @@ def observe(early: bool = False) -> dict:
     return {"node_env": {k: os.environ.get(k) for k in (SCOPE, CONF)},
             "scope": settings[0] if settings else None,
             "budget_mb": settings[1].budget_mb if settings else None,
-            "log": lines + getattr(sys.modules.get("__indexer_arena_early__"), "lines", []),
+            # a load at the actor's start was collected from then on: those lines hold these
+            "log": getattr(sys.modules.get("__indexer_arena_early__"), "lines", None) or lines,
             "alloc": os.path.dirname(alloc.__file__)}
+
+
+def _collect(lines: list) -> None:
+    """The plugin's records under vLLM's logger, as vLLM's handlers would print them."""
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda r: lines.append(f"{r.levelname} {r.getMessage()}")
+    logger = logging.getLogger("vllm.indexer_arena")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 def _early_log():
     """Collects the plugin's lines from a load at the actor's start, before observe() runs."""
+    import vllm.logger  # noqa: F401
     mod = types.ModuleType("__indexer_arena_early__")
     mod.lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: mod.lines.append(f"{r.levelname} {r.getMessage()}")
-    logging.getLogger("vllm.indexer_arena").addHandler(handler)
+    _collect(mod.lines)
     sys.modules[mod.__name__] = mod
 
 
@@ -125,7 +133,8 @@ def v33_executor(ray, early: bool) -> dict:
                 _early_log()
                 from vllm.plugins import load_general_plugins
                 load_general_plugins()
-            super().__init__(vllm_config=None, rank=0, input_shm_handle=None,
+            config = types.SimpleNamespace(parallel_config=types.SimpleNamespace())
+            super().__init__(vllm_config=config, rank=0, input_shm_handle=None,
                              is_driver_worker=True)
 
         def start(self, driver_env):
@@ -170,6 +179,13 @@ def dp_engine_cores(ray, version: str) -> dict:
     return out
 
 
+def _attempt(run) -> dict:
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 -- reported, and counted as a failure by the suite
+        return {"error": f"{type(e).__name__}: {str(e)[-600:]}"}
+
+
 def driver(address: str) -> dict:
     import ray
     import vllm
@@ -191,7 +207,7 @@ def driver(address: str) -> dict:
     result = {"version": vllm.__version__, "ray": ray.__version__,
               "driver": {"scope": settings[0] if settings else None,
                          "budget_mb": settings[1].budget_mb if settings else None},
-              "paths": {name: run() for name, run in paths.items()}}
+              "paths": {name: _attempt(run) for name, run in paths.items()}}
     ray.shutdown()
     return result
 
@@ -200,6 +216,10 @@ def cluster() -> int:
     """Starts the three raylets, runs the driver in a process with the driver's settings, stops
     the raylets (by the cluster's own record of its processes)."""
     from ray.cluster_utils import Cluster
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+    for signum in (signal.SIGALRM, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, stop)  # the raylets are stopped on the way out (finally below)
     signal.alarm(DEADLINE_S)  # bounded: a hung start ends the run, and the raylets with it
     os.environ.clear()
     os.environ.update(_clean(BASE))

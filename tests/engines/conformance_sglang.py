@@ -94,4 +94,5 @@ def run(device, scope: str) -> dict:
     for module in {r.module for r, s in engines.route_status().items() if s == "pending"}:
         _attempt(importlib.import_module, module)
     out["routes"] = {str(r): s for r, s in engines.route_status().items()}
+    out["always"] = [str(r) for r in engines.route_status() if r.always]
     return out

@@ -178,4 +178,5 @@ def run(device, scope: str) -> dict:
     for module in {r.module for r in pending}:  # vLLM's vendored DeepGEMM, behind an external one
         _attempt(importlib.import_module, module)
     out["routes"] = {str(r): s for r, s in engines.route_status().items()}
+    out["always"] = [str(r) for r in engines.route_status() if r.always]
     return out

@@ -32,11 +32,13 @@ class Engine:
     kind: str        # "vllm" or "sglang": which checks run
     runners: tuple[str, ...] = ()  # vLLM's model runners in this version (v1: gpu_model_runner,
                                    # v2: gpu/model_runner, the default from 0.33 on)
+    ray: str = ""    # the Ray requirement the Ray-cluster check installs (without its GPU extras)
 
 
 ENGINES = (
-    Engine("vllm-0.33.0", "vllm", "0.33.0", "2.14.0", "vllm", ("v1", "v2")),
-    Engine("vllm-0.13.0", "vllm", "0.13.0", "2.9.0", "vllm", ("v1",)),
+    # vLLM 0.13 requires ray[cgraph]>=2.48.0 (cgraph: CuPy, for GPUs); 0.33 pins no Ray.
+    Engine("vllm-0.33.0", "vllm", "0.33.0", "2.14.0", "vllm", ("v1", "v2"), "ray>=2.48.0"),
+    Engine("vllm-0.13.0", "vllm", "0.13.0", "2.9.0", "vllm", ("v1",), "ray>=2.48.0"),
     Engine("sglang-0.5.23", "sglang", "0.5.23", "2.14.1", "sglang"),
 )
 
@@ -113,6 +115,8 @@ def ensure(engine: Engine, log=lambda s: print(s, file=sys.stderr)) -> Path:
     _pip(py, f"torch=={engine.torch}", *constraint, log=log)
     _pip(py, "--no-deps", f"{engine.package}=={engine.version}", log=log)
     _pip(py, *_requirements(py, engine), *constraint, log=log)
+    if engine.ray:
+        _pip(py, engine.ray, *constraint, log=log)
     _pip(py, "--force-reinstall", "--no-deps", str(ROOT), log=log)
     _pip(py, "cffi>=1.17", *constraint, log=log)
     for old in env.glob(".installed-*"):

@@ -16,7 +16,11 @@ plugin off, process scope, workspace scope, and a bad INDEXER_ARENA_SCOPE. It ch
   decode batch over the budget ran outside it, counted once in alloc.memory_stats();
 - the KV cache the engine sizes with the plugin on is the size with it off less one budget, within
   2 MiB (the workspace scope's pool holds PyTorch's 2 MiB small-block segment beside the budget);
-- vLLM's sleep gives the workspace back and its wake takes it again.
+- vLLM's sleep gives the workspace back and its wake takes it again;
+- on a Ray cluster on the loopback (tests/engines/conformance_ray.py: a node with the driver's
+  settings, one without any INDEXER_ARENA_* variable, one with settings of its own), every worker
+  of each of vLLM's Ray paths runs with the driver's scope and budget, logs its line, and the
+  node whose own settings differ says so.
 
 Exit status 1 when any check fails. Too heavy for CI (CI runs tests/alloc/test_engines.py);
 benchmarks/RESULTS.md records the last output.
@@ -25,6 +29,7 @@ benchmarks/RESULTS.md records the last output.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -67,8 +72,9 @@ def failures(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
     if refused["returncode"] != 1 or refused["went_on"] or refused["traceback"] \
             or BAD_SCOPE_LINE not in refused["last_line"]:  # in the engine's log format
         bad.append(f"a bad INDEXER_ARENA_SCOPE did not end the process with one line: {refused}")
-    if off["loaded"] or off["routes"]:
-        bad.append("off: the plugin acted without INDEXER_ARENA_SCOPE")
+    if off["loaded"] or set(off["routes"]) - set(off["always"]):
+        bad.append("off: the plugin registered more than its always-on routes without "
+                   "INDEXER_ARENA_SCOPE")
     for scope in ("process", "workspace"):
         run = runs[scope]
         if run["version"] != engine.version:
@@ -84,10 +90,15 @@ def failures(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
                 or logits["outside"][0] != 1:
             bad.append(f"{scope}: logits routing {logits}")
         info = [line for line in run["log"] if line.startswith("INFO indexer-arena: ")]
+        loaded = [line for line in info if line.endswith(
+            f": {scope} scope, budget {off['budget_mb']} MiB (from this node's environment)")]
+        started = [line for line in info if " routes applied: " in line]
         other = [line for line in run["log"] if not line.startswith("INFO")
                  and "served outside the arena" not in line]  # the decode over budget's warning
-        if len(info) != 1 or f" {engine.version}, {scope} scope" not in info[0] or other:
-            bad.append(f"{scope}: the plugin's log is not one INFO line naming the version: {run['log']}")
+        if len(loaded) != 1 or len(started) != 1 or len(info) != 2 \
+                or f" {engine.version}, {scope} scope" not in started[0] or other:
+            bad.append(f"{scope}: the plugin's log is not the load's line and the start's naming "
+                       f"the version: {run['log']}")
         lost = off["kv_cache_bytes"] - run["kv_cache_bytes"]
         if abs(lost - budget) > TOLERANCE:
             bad.append(f"{scope}: KV cache {lost / MiB:.0f} MiB smaller with the plugin, not one budget")
@@ -125,6 +136,59 @@ def table(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
     return rows
 
 
+def ray_cluster(py: Path) -> dict:
+    done = subprocess.run([str(py), str(HERE / "conformance_ray.py")], capture_output=True,
+                          text=True, timeout=1200,
+                          env={k: v for k, v in os.environ.items()
+                               if not k.startswith("INDEXER_ARENA_")})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": done.stderr[-3000:] or f"exit status {done.returncode}"}
+    return json.loads(lines[-1])
+
+
+def _seen(worker: dict) -> str:
+    return "off" if worker["scope"] is None else f"{worker['scope']} {worker['budget_mb']} MiB"
+
+
+def ray_failures(ray: dict) -> list[str]:
+    """Every worker on every node runs with the driver's settings and logs its line; the node
+    with settings of its own says they differ."""
+    if "error" in ray:
+        return [f"Ray cluster: the run failed: {ray['error'][-600:]}"]
+    want, bad = _seen(ray["driver"]), []
+    if want == "off":
+        bad.append("Ray cluster: the driver's plugin is off")
+    for path, nodes in ray["paths"].items():
+        if "error" in nodes:
+            bad.append(f"Ray cluster: {path}: {nodes['error'][-300:]}")
+            continue
+        for node, worker in nodes.items():
+            if _seen(worker) != want:
+                bad.append(f"Ray cluster: {path}, node {node}: {_seen(worker)}, not the driver's {want}")
+            if not any("indexer-arena: " in line for line in worker["log"]):
+                bad.append(f"Ray cluster: {path}, node {node}: the plugin logged no line")
+        if not any("differ from the driver's" in line for line in nodes.get("c", {}).get("log", [])):
+            bad.append(f"Ray cluster: {path}, node c: no line saying its settings differ")
+    return bad
+
+
+def ray_table(ray: dict) -> list[str]:
+    if "error" in ray:
+        return ["  Ray cluster: the run failed"]
+    rows = [f"  Ray cluster (ray {ray['ray']}, three raylets on 127.0.0.1; node a: the driver's "
+            f"settings, b: no INDEXER_ARENA_*, c: its own, process 1024 MiB), driver "
+            f"{_seen(ray['driver'])}, {ray['seconds']} s; scope and budget inside each worker:"]
+    for path, nodes in ray["paths"].items():
+        if "error" in nodes:
+            rows.append(f"    {path:44} failed: {nodes['error'][-300:]}")
+            continue
+        rows.append(f"    {path:44} " + " | ".join(f"node {n}: {_seen(w):15}" for n, w in nodes.items()))
+        for node, worker in nodes.items():
+            rows += [f"        {node}: {line}" for line in worker["log"] if "indexer-arena" in line]
+    return rows
+
+
 def main(argv: list[str]) -> int:
     chosen = [e for e in envs.ENGINES if not argv or e.name in argv]
     unknown = set(argv) - {e.name for e in envs.ENGINES}
@@ -140,6 +204,10 @@ def main(argv: list[str]) -> int:
         runs["bad"] = bad_setting(py, engine)
         print("\n".join(table(engine, runs)), flush=True)
         bad = failures(engine, runs)
+        if engine.ray:
+            ray = ray_cluster(py)
+            print("\n".join(ray_table(ray)), flush=True)
+            bad += ray_failures(ray)
         failed += [f"{engine.name}: {b}" for b in bad]
         print(f"  {'FAILED' if bad else 'passed'} in {time.monotonic() - started:.0f} s", flush=True)
     for line in failed:
