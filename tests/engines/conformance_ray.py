@@ -109,7 +109,8 @@ def v13_executor(ray) -> dict:
     args = {name: os.environ[name] for name in names if name in os.environ}
     out = {}
     for node in NODES:
-        worker = ray.remote(**_placed(ray, node))(RayWorkerWrapper).remote(vllm_config=None, rpc_rank=0)
+        worker = ray.remote(**_placed(ray, node))(RayWorkerWrapper).remote(
+            vllm_config=types.SimpleNamespace(model_config=None), rpc_rank=0)
         ray.get(worker.update_environment_variables.remote([args]))
         out[node] = ray.get(worker.execute_method.remote(lambda self: observe()))
         ray.kill(worker)
