@@ -136,15 +136,16 @@ def resolve(environ: Mapping[str, str] | None = None) -> Resolved:
 
 
 def _process_name() -> str:
-    """The name an operator sees in ps: the engines title their processes (vLLM's workers,
-    Ray's actors ``ray::<class>``), else the multiprocessing name, else the script's."""
+    """The name an operator sees in ps: the multiprocessing name, else the process's title (Ray's
+    actors ``ray::<class>``, vLLM's processes), else the script's."""
     name = multiprocessing.current_process().name
     if name != "MainProcess":
         return name
-    try:
-        from setproctitle import getproctitle
-        title = os.path.basename(getproctitle().split()[0])
-    except Exception:  # noqa: BLE001 -- no title library, or no title: the script's name serves
+    try:  # the title as ps shows it, whoever set it (Ray sets its own, vLLM's through setproctitle)
+        with open("/proc/self/cmdline", "rb") as f:
+            words = f.read().split(b"\0")[0].decode(errors="replace").split()
+        title = os.path.basename(words[0]) if words else ""
+    except OSError:  # not Linux: the script's name serves
         title = ""
     if title and not title.startswith("python"):
         return title[:40]

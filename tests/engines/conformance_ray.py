@@ -70,7 +70,7 @@ def observe(early: bool = False) -> dict:
     return {"node_env": {k: os.environ.get(k) for k in (SCOPE, CONF)},
             "scope": settings[0] if settings else None,
             "budget_mb": settings[1].budget_mb if settings else None,
-            # a load at the actor's start was collected from then on: those lines hold these
+            # a load before observe() was collected from then on: those lines hold these
             "log": getattr(sys.modules.get("__indexer_arena_early__"), "lines", None) or lines,
             "alloc": os.path.dirname(alloc.__file__)}
 
@@ -85,7 +85,7 @@ def _collect(lines: list) -> None:
 
 
 def _early_log():
-    """Collects the plugin's lines from a load at the actor's start, before observe() runs."""
+    """Collects the plugin's lines from now on, for a load before observe() runs."""
     import vllm.logger  # noqa: F401
     mod = types.ModuleType("__indexer_arena_early__")
     mod.lines = []
@@ -140,6 +140,8 @@ def v33_executor(ray, early: bool) -> dict:
 
         def start(self, driver_env):
             from vllm.plugins import load_general_plugins
+            if "__indexer_arena_early__" not in sys.modules:
+                _early_log()  # the load in initialize_worker logs before observe() runs
 
             def init_worker(proc, **kwargs):
                 load_general_plugins()
