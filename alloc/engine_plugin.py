@@ -345,9 +345,20 @@ def check_ranks() -> None:
     who = settings_mod.role(dist.get_rank(), dist.get_world_size())
     bad = settings_mod.disagreement(gathered)
     if bad:
+        _end_process_groups()
         refuse(engine.logger, f"{who}: {bad}")
     logging.getLogger(engine.logger).info("indexer-arena: %s: the %d ranks' settings agree: %s",
                                           who, len(gathered), mine)
+
+
+def _end_process_groups() -> None:
+    """Before a refusal ends the process: its process groups closed, since a gloo group's threads
+    left running abort the interpreter's exit ("terminate called ...": status -6, a second line)."""
+    import torch.distributed as dist
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- the line that follows matters, not the teardown
+        pass
 
 
 def starting_worker_first(fn: Callable) -> Callable:

@@ -312,6 +312,8 @@ def _check_ranks_agree(allocator: str, env: RankEnv, device) -> None:
     dist.all_gather_object(gathered, rank_settings(allocator))
     bad = disagreement(gathered)
     if bad:
+        # Closed now: a group's threads left running abort the interpreter's exit.
+        dist.destroy_process_group()
         raise LaunchError(f"rank {env.rank} of {env.world_size}: {bad}")
 
 
