@@ -58,9 +58,13 @@ def bad_setting(py: Path, engine: envs.Engine) -> dict:
     """A bad INDEXER_ARENA_SCOPE through the engine's own plugin loader."""
     done = subprocess.run([str(py), str(HERE / "conformance.py"), engine.kind, "bad"],
                           capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    # The line comes through the engine's logger (vLLM 0.13's prints to stdout, 0.33's and
+    # SGLang's to stderr), after the logger's own prefix.
+    out = done.stdout + done.stderr
+    lines = [line[line.index("indexer-arena: "):] for line in out.splitlines()
+             if "indexer-arena: " in line]
     return {"returncode": done.returncode, "went_on": "went on" in done.stdout,
-            "traceback": "Traceback" in done.stdout + done.stderr,
+            "traceback": "Traceback" in out, "lines": len(lines),
             "last_line": lines[-1] if lines else ""}
 
 
@@ -69,7 +73,7 @@ def failures(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
     off, bad = runs["off"], []
     budget = off["budget_mb"] * MiB
     refused = runs["bad"]
-    if refused["returncode"] != 1 or refused["went_on"] or refused["traceback"] \
+    if refused["returncode"] != 1 or refused["went_on"] or refused["traceback"] or refused["lines"] != 1 \
             or BAD_SCOPE_LINE not in refused["last_line"]:  # in the engine's log format
         bad.append(f"a bad INDEXER_ARENA_SCOPE did not end the process with one line: {refused}")
     if off["loaded"] or set(off["routes"]) - set(off["always"]):
@@ -112,6 +116,7 @@ def table(engine: envs.Engine, runs: dict[str, dict]) -> list[str]:
     off = runs["off"]
     rows = [f"{engine.name} (torch {off['torch']}), budget {off['budget_mb']} MiB:"]
     rows.append(f"  bad scope exit {runs['bad']['returncode']}, traceback {runs['bad']['traceback']}, "
+                f"lines {runs['bad']['lines']}, "
                 f"last line: {runs['bad']['last_line']}")
     for scope, run in runs.items():
         if scope == "bad":
