@@ -208,6 +208,16 @@ engines._current_device = lambda: 0  # no CUDA here: device 0 is the host-backed
 """
 
 
+def _own_version() -> str:
+    """The fake engine's version is this package's: its metadata's where it is installed (CI),
+    "(version unknown)" where the tree runs uninstalled (benchmarks/gpu_suite.sh's machine)."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("indexer-arena")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def test_only_the_workers_start_installs_and_it_logs_the_routes_once(fake_engine_path):
     done = run_python(HOST + f"sys.path.insert(0, {str(fake_engine_path)!r})" + """
 plugin.install = lambda config, scope: install_on_host(config, scope)
@@ -231,7 +241,7 @@ print("logits:", m.fp8_fp4_mqa_logits(1, 2))
     assert len(info) == 2, done.stdout  # the load's line, and the start's, once per process
     assert info[0].endswith(": process scope, budget 64 MiB (from this node's environment)")
     info = info[1:]
-    assert "Fake 0.1.0, process scope, budget 64 MiB; routes applied: fake_engine.model." \
+    assert f"Fake {_own_version()}, process scope, budget 64 MiB; routes applied: fake_engine.model." \
            "GPUModelRunner.__init__, fake_engine.model.fp8_fp4_mqa_logits" in info[0]
     warnings = [line for line in out if line.startswith("WARNING fake.indexer_arena")]
     assert any("lacks what these routes wrap" in w and "renamed_in_this_version" in w for w in warnings)

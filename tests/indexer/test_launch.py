@@ -3,6 +3,7 @@ whatever Triton's default; compiled with them, the logits' weighted relus are fu
 multiply-adds even where the default turns fusion off (Triton 3.10's, TRITON_DEFAULT_FP_FUSION=0
 on 3.9), and compiled without them they are not, so the check has teeth."""
 
+import dataclasses
 import importlib
 import os
 import pkgutil
@@ -16,6 +17,7 @@ import indexer
 from indexer import logits_hopper as hopper
 from indexer import mqa_logits, paged_mqa_logits, top_k_per_row
 from indexer._launch import LAUNCH_OPTIONS
+from indexer.topk import default_config
 from indexer.weighted_q import split_weighted_q, w_tiles
 from tests.support.aot import (LOGITS_POINTERS, compile_kernel, innermost_loops, logits_ints,
                                resources)
@@ -51,6 +53,8 @@ def test_every_kernel_is_launched_with_the_options(monkeypatch):
     mqa_logits(q, kv, kv_scale, w, ks, ke)
     paged_mqa_logits(q, cache, scale, w, ks, ke, table, context, n_cols=n)
     top_k_per_row(torch.randn(m, n), ks, ke, 8)
+    top_k_per_row(torch.randn(m, n), ks, ke, 8,  # the streaming layout's two kernels
+                  config=dataclasses.replace(default_config(8, "cpu"), stream=True))
     split_weighted_q(q, w, 2)
     w_tiles(w, 1.0, 64)
     if hopper.AVAILABLE:  # the sm_90 kernel's launch, as on an H200, of bf16 inputs
