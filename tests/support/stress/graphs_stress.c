@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "arena_testing.h"
+#include "canary.h"
 
 static long ops_per_thread, graphs;
 static _Atomic unsigned long canary_failures;
@@ -31,21 +32,8 @@ static struct {
   int count;
 } mailbox = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
-static unsigned char tag(const void *p, size_t size) { return (unsigned char)(((uintptr_t)p >> 8) ^ size); }
-
-/* Every 61st byte: enough to catch a block handed out twice, cheap enough for millions of bytes. */
-static void fill(void *p, size_t size) {
-  unsigned char *b = p, t = tag(p, size);
-  for (size_t i = 0; i < size; i += 61) b[i] = t;
-}
-
 static void check_and_free(void *p, size_t size) {
-  const unsigned char *b = p, want = tag(p, size);
-  for (size_t i = 0; i < size; i += 61)
-    if (b[i] != want) {
-      canary_failures++;
-      break;
-    }
+  if (!canary_intact(p, size)) canary_failures++;
   ia_torch_free(p);
 }
 
@@ -94,7 +82,7 @@ static void *eager(void *arg) {
     } else {
       size_t size = pick(&seed);
       void *p = ia_torch_alloc(size, 0, stream, NULL);
-      fill(p, size);
+      canary_fill(p, size);
       held[n].p = p;
       held[n++].size = size;
     }
@@ -125,7 +113,7 @@ static void *grapher(void *arg) {
       if (i == 7) ia_workspace_enter();
       out[i] = ia_torch_alloc(sizes[i], 0, (void *)stream, &id);
       if (i == 7) ia_workspace_exit();
-      fill(out[i], sizes[i]);
+      canary_fill(out[i], sizes[i]);
       if (fork && i == 4) { /* read on the side stream, freed before it joins back */
         ia_torch_record_stream(out[i], (void *)side);
         check_and_free(out[i], sizes[i]), out[i] = NULL;
@@ -133,7 +121,7 @@ static void *grapher(void *arg) {
       if (fork && i == 5) { /* joined: the next allocation takes that block back */
         if (!ia_host_capture_wait(stream, side) || !ia_host_capture_launch(stream)) abort();
         void *again = ia_torch_alloc(sizes[4], 0, (void *)stream, &id);
-        fill(again, sizes[4]);
+        canary_fill(again, sizes[4]);
         check_and_free(again, sizes[4]);
       }
       if (i % 3 == 0 && out[i]) check_and_free(out[i], sizes[i]), out[i] = NULL; /* freed inside the capture */
@@ -141,7 +129,7 @@ static void *grapher(void *arg) {
     if (fork) ia_host_capture_end(side);
     ia_host_capture_end(stream);
     if (ia_graph_end(0, id) != IA_OK) abort();
-    if (rebound) fill(rebound, rebound_size); /* a replay writes what the graph rebound */
+    if (rebound) canary_fill(rebound, rebound_size); /* a replay writes what the graph rebound */
     bool hand_out = g % 2;
     if (hand_out && ia_graph_release(0, id) != IA_OK) abort(); /* the outputs outlive the graph */
     if (hand_out && out[1]) carried = out[1], carried_size = sizes[1], out[1] = NULL;

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "arena_testing.h"
+#include "canary.h"
 
 #define MiB ((size_t)1 << 20)
 
@@ -35,20 +36,8 @@ static void problem(_Atomic unsigned long *counter, const char *what) {
   }
 }
 
-static unsigned char tag(const void *p, size_t size) { return (unsigned char)(((uintptr_t)p >> 8) ^ size); }
-
-static void fill(void *p, size_t size) {
-  unsigned char *b = p, t = tag(p, size);
-  for (size_t i = 0; i < size; i += 61) b[i] = t;
-}
-
 static void check_and_free(void *p, size_t size) {
-  const unsigned char *b = p, want = tag(p, size);
-  for (size_t i = 0; i < size; i += 61)
-    if (b[i] != want) {
-      problem(&canary_failures, "a canary was overwritten");
-      break;
-    }
+  if (!canary_intact(p, size)) problem(&canary_failures, "a canary was overwritten");
   ia_torch_free(p);
 }
 
@@ -60,7 +49,7 @@ static void *sleeper(void *arg) {
     size_t size = (size_t)(r % 5 + 1) * MiB;
     void *ws = ia_torch_alloc(size, 0, stream, NULL);
     ia_workspace_exit();
-    fill(ws, size);
+    canary_fill(ws, size);
     check_and_free(ws, size);
     if (ia_plugin_release(0) != IA_OK) problem(&refused_releases, ia_plugin_failure());
     if (r % 3 == 0 && ia_plugin_reserve(0) != IA_OK) abort();
@@ -68,7 +57,7 @@ static void *sleeper(void *arg) {
       ia_pool_id_t id = {.first = (uint64_t)r + 1, .second = 0};
       if (ia_graph_begin(0, id) != IA_OK || !ia_host_capture_begin(999, (uint64_t)r + 1)) abort();
       void *g = ia_torch_alloc(3 * MiB, 0, (void *)(uintptr_t)999, &id);
-      fill(g, 3 * MiB);
+      canary_fill(g, 3 * MiB);
       ia_host_capture_end(999);
       if (ia_graph_end(0, id) != IA_OK) abort();
       check_and_free(g, 3 * MiB);
@@ -93,7 +82,7 @@ static void *eager(void *arg) {
     } else {
       size_t size = sizes[rand_r(&seed) % (sizeof sizes / sizeof sizes[0])];
       held[n].p = ia_torch_alloc(size, 0, stream, NULL);
-      fill(held[n].p, size);
+      canary_fill(held[n].p, size);
       held[n++].size = size;
     }
     if (op % 64 == 0) ia_torch_empty_cache(); /* mapped pools unmap their free pages */
