@@ -94,6 +94,8 @@ PYTHON_TESTS = ("tests/alloc/arena/test_basic.py", "tests/alloc/arena/test_strea
                 "tests/csrc/test_harnesses.py::test_python_threads_hand_blocks_to_each_other",
                 "--deselect", "tests/alloc/plugin/test_graph_pools.py::"
                 "test_an_out_of_memory_in_a_graph_pool_names_the_pool",
+                "--deselect", "tests/alloc/arena/test_basic.py::"  # builds and runs a harness for this machine
+                "test_the_device_totals_limit_is_not_passed_by_a_byte",
                 "--deselect", "tests/alloc/plugin/test_graph_reuse.py::"  # hypothesis: not on that Python
                 "test_record_stream_reuse_never_hands_out_a_block_its_graph_does_not_order_after_every_use")
 
