@@ -35,7 +35,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   say "installing torch 2.13.0 (CPU build, about 200 MB: a few minutes on a fresh machine)"
   "$py" -m pip install --quiet "torch==2.13.0"
 fi
-stamp="$venv/.installed-$(cat pyproject.toml setup.py csrc/*.c csrc/*.h | sha256sum | cut -c1-16)"
+stamp="$venv/.installed-$(cat pyproject.toml setup.py alloc/_build.py $(find csrc -type f | sort) | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
   say "installing indexer-arena, its tools and test dependencies, building the C core"
   "$py" -m pip install --quiet -e ".[test,torch,tools]"

@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from typing import Literal
 
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .config import c_path
 from .errors import ArenaOutOfMemory, BackendError, DoubleFree, ForeignPointer, InvariantError
 from .units import MAX_SIZE, PAGE, U64_MAX, fmt_bytes

@@ -6,7 +6,7 @@ and offers these under its own name too."""
 
 from __future__ import annotations
 
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .arena import Arena
 
 POOLS = tuple(ffi.string(lib.ia_plugin_pool_name(p)).decode() for p in range(lib.IA_POOL_COUNT))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .arena import path_bytes
 from .errors import BackendError
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from . import config as config_mod
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .arena import stats_dict
 from .devices import (MAX_DEVICES, POOLS, SMALL_REQUEST, device_arena, device_index,  # noqa: F401
                       device_is_expandable, device_is_unified, graph_pool_blocks, graph_pools,
@@ -214,8 +214,8 @@ _SCOPE_TYPES = {"process": _ProcessScope, "workspace": _WorkspaceScope}  # of co
 
 def core_library_path() -> str:
     """Path of the loaded C core: the .so PyTorch must dlopen to find the entry points."""
-    import alloc._core as core
-    return core.__file__
+    from ._lib import PATH
+    return PATH
 
 
 def loaded_cudart() -> str | None:

@@ -11,7 +11,7 @@ import atexit
 import os
 import sys
 
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .devices import POOLS
 from .records import Event, write_csv
 

@@ -1,8 +1,8 @@
 """Builds and loads the C++ pieces that must be compiled against the torch that runs.
 
-- ``oom``: the one function that throws c10::OutOfMemoryError (csrc/oom_shim.cpp), which both
+- ``oom``: the one function that throws c10::OutOfMemoryError (csrc/torch/oom_shim.cpp), which both
   scopes use; it needs torch's headers only.
-- ``allocator``: the process scope's CUDA allocator (csrc/torch_allocator.cpp), a subclass of
+- ``allocator``: the process scope's CUDA allocator (csrc/torch/torch_allocator.cpp), a subclass of
   PyTorch's CUDAPluggableAllocator over the C core; it also needs the CUDA runtime's headers.
 
 Each is built on first use with the system C++ compiler and cached under $INDEXER_ARENA_CACHE
@@ -30,9 +30,13 @@ _SOURCE_DIRS = (pathlib.Path(__file__).resolve().parent / "_csrc",
                 pathlib.Path(__file__).resolve().parent.parent / "csrc")
 
 
+#: What the shims compile or include, under csrc/ (setup.py copies these into the package).
+RUNTIME_SOURCES = ("torch/oom_shim.cpp", "torch/torch_allocator.cpp", "torch/allocator.h", "arena/arena.h")
+
+
 def source_dir() -> pathlib.Path:
     for d in _SOURCE_DIRS:
-        if all((d / name).exists() for shim in SHIMS.values() for name in (shim.source, "arena.h")):
+        if all((d / name).exists() for name in RUNTIME_SOURCES):
             return d
     raise InstallError(f"this installation lacks the C++ sources the allocator compiles at run time "
                        f"(looked in {' and '.join(map(str, _SOURCE_DIRS))}): reinstall indexer-arena")
@@ -42,12 +46,12 @@ def source_dir() -> pathlib.Path:
 class Shim:
     what: str       # for messages
     source: str     # under csrc/
-    cuda: bool      # needs the CUDA headers and links torch's CUDA libraries
+    cuda: bool      # needs the CUDA headers and the core's public headers, and links torch's CUDA libraries
 
 
 SHIMS = {
-    "oom": Shim("the out-of-memory shim", "oom_shim.cpp", cuda=False),
-    "allocator": Shim("the process-scope allocator", "torch_allocator.cpp", cuda=True),
+    "oom": Shim("the out-of-memory shim", "torch/oom_shim.cpp", cuda=False),
+    "allocator": Shim("the process-scope allocator", "torch/torch_allocator.cpp", cuda=True),
 }
 _loaded: dict[str, ctypes.CDLL] = {}
 
@@ -96,7 +100,7 @@ def build(name: str = "oom") -> pathlib.Path:
     csrc = source_dir()
     cxx = _compiler(shim.what)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    sources = [csrc / shim.source] + ([csrc / "arena.h"] if shim.cuda else [])
+    sources = [csrc / shim.source] + ([csrc / "torch/allocator.h", csrc / "arena/arena.h"] if shim.cuda else [])
     key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources), torch.__version__.encode(),
                                      " ".join(cxx).encode(), str(abi).encode()])).hexdigest()[:16]
     out = cache_dir() / f"{pathlib.Path(shim.source).stem}-{key}.so"

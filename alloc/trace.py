@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .errors import ArenaError
 from .records import Event
 from .ring import ACTIONS, POOLS, read_events, write_at_exit  # noqa: F401 (the trace's API)

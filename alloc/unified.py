@@ -6,7 +6,7 @@ it creates a device's arenas under ``unified:auto``; this module shows its input
 
 from __future__ import annotations
 
-from ._core import ffi, lib
+from ._lib import ffi, lib
 from .errors import BackendError
 
 FIELDS = ("integrated", "pageable_memory_access", "concurrent_managed_access", "uses_host_page_tables")

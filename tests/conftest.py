@@ -23,6 +23,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT, run_python
+from tests.support.testing_core import ensure_built
+
+ensure_built()  # before anything imports alloc: this process and its children load the test build
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Set in the child pytest that runs the interpreter tests: where it writes their outcomes.

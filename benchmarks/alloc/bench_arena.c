@@ -17,7 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "arena.h"
+#include "arena/arena.h"
 
 #define WINDOW 256
 

@@ -301,7 +301,7 @@ def test_the_kv_cache_is_sized_with_the_budget_reserved_and_counted_once(counts_
 
 def test_release_and_reserve_move_the_workspace_and_refuse_while_a_block_is_live():
     out = _host("""
-    from alloc._core import ffi, lib
+    from alloc._lib import ffi, lib
     capacity = lambda: alloc.device_arena(0, "workspace").stats()["capacity"] if alloc.workspace_reserved(0) else 0
     alloc.reserve(0)
     print("reserved:", capacity() >> 20)
@@ -331,7 +331,7 @@ def test_sleep_releases_the_workspace_and_wake_takes_it_again():
     wake = engines.reserving_first("engine.x")(lambda: "woke")
     alloc.reserve(0)
     print(sleep(), alloc.workspace_reserved(0), wake(), alloc.workspace_reserved(0))
-    from alloc._core import ffi, lib
+    from alloc._lib import ffi, lib
     lib.ia_workspace_enter()
     block = lib.ia_torch_alloc(1 << 20, 0, ffi.NULL, ffi.NULL)
     lib.ia_workspace_exit()

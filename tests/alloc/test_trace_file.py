@@ -12,7 +12,7 @@ from tests.support import ROOT
 
 PROGRAM = """
 import sys
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 from alloc import ring as trace
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory = 64 << 20, 256, 0, 1

@@ -246,7 +246,7 @@ def test_every_integer_field_of_a_json_report(tmp_path, capsys, field, value):
 
 
 def test_the_readers_device_bound_is_the_cores():
-    from alloc._core import lib  # the readers themselves run without the compiled core
+    from alloc._lib import lib  # the readers themselves run without the compiled core
     assert MAX_DEVICES == lib.IA_MAX_DEVICES
 
 

@@ -105,14 +105,14 @@ def test_the_extension_builds_for_aarch64_and_runs_the_arenas_tests(core, tmp_pa
     site = arm.build_extension(tmp_path, core())
     pure = arm.pure_site(tmp_path)
     done = arm.run_python(site, pure, "-c", (
-        "import platform, alloc._core as c, alloc\n"
+        "import platform, alloc._lib as c, alloc\n"
         "from alloc import Arena\n"
         "with Arena(1 << 20) as a:\n"
         "    p = a.allocate(1000); a.free(p); a.check()\n"
-        "print(platform.machine(), c.__file__)"))
+        "print(platform.machine(), c.PATH)"))
     assert done.returncode == 0, done.stderr[-3000:]
     machine, extension = done.stdout.split()
-    assert machine == "aarch64" and extension == str(site / "alloc" / "_core.abi3.so")
+    assert machine == "aarch64" and extension == str(site / "alloc" / arm.EXTENSION)
     print(f"aarch64 Python: {extension}")
     tests = arm.run_python(site, pure, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-o", f"pythonpath={site} .", *PYTHON_TESTS)

@@ -14,17 +14,22 @@ import threading
 
 import pytest
 
-from alloc import Arena, ArenaOutOfMemory
-from tests.support import ROOT, SUPPORT
+from alloc import Arena, ArenaOutOfMemory, _build
+from tests.support import SUPPORT
 
-CSRC = ROOT / "csrc"
+
+
+# Harnesses of the budget arena alone: built from csrc/arena/ without the PyTorch allocator, which
+# shows the arena stands on its own. The others take the test build's sources.
+ARENA_HARNESSES = {"stress", "class_check", "limit_check"}
 
 
 def build_harness(tmp_path, extra_flags=(), harness="stress"):
     cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
     exe = tmp_path / harness
-    cmd = [*cc, "-O2", "-std=gnu11", "-pthread", *extra_flags, f"-I{CSRC}",
-           str(SUPPORT / "stress" / f"{harness}.c"), *map(str, sorted(CSRC.glob("*.c"))), "-ldl",
+    folders = _build.ARENA if harness in ARENA_HARNESSES else _build.TESTING
+    cmd = [*cc, "-O2", "-std=gnu11", "-pthread", *extra_flags, f"-I{_build.CSRC}",
+           str(SUPPORT / "stress" / f"{harness}.c"), *map(str, _build.sources(folders)), "-ldl",
            "-o", str(exe)]
     return exe, subprocess.run(cmd, capture_output=True, text=True)
 

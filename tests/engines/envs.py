@@ -93,7 +93,7 @@ def _requirements(py: Path, engine: Engine) -> list[str]:
 def _stamp(engine: Engine) -> str:
     """Changes when this package's sources or the pins change: the package is reinstalled."""
     digest = hashlib.sha256(repr(engine).encode())
-    for path in sorted([*ROOT.glob("alloc/*.py"), *ROOT.glob("csrc/*"), ROOT / "pyproject.toml",
+    for path in sorted([*ROOT.glob("alloc/*.py"), *ROOT.glob("csrc/**/*.[ch]*"), ROOT / "pyproject.toml",
                         ROOT / "setup.py", Path(__file__)]):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

@@ -76,13 +76,20 @@ def run(exe, *args, timeout=600, guest_env=None, cwd=None) -> subprocess.Complet
                           env={**os.environ, **SANITIZER_ENV})
 
 
+EXTENSION = "_core_testing.abi3.so"
+
+
+def _build():
+    return importlib.import_module("alloc._build")
+
+
 def compile_core(out: Path, flags=()) -> list[Path]:
-    """csrc/*.c compiled for aarch64 (position-independent, so that the extension can take the
-    same objects), two at a time; returns the objects."""
+    """The test build's C sources (alloc/_build.py) compiled for aarch64 (position-independent,
+    so that the extension can take the same objects), two at a time; returns the objects."""
     out.mkdir(parents=True, exist_ok=True)
 
     def one(source: Path) -> Path:
-        obj = out / f"{source.stem}.o"
+        obj = out / f"{source.parent.name}-{source.stem}.o"
         done = subprocess.run([CC, "-c", "-O2", "-fPIC", "-std=gnu11", "-pthread", *flags,
                                f"-I{ROOT / 'csrc'}", str(source), "-o", str(obj)],
                               capture_output=True, text=True)
@@ -90,7 +97,7 @@ def compile_core(out: Path, flags=()) -> list[Path]:
         return obj
 
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(one, sorted((ROOT / "csrc").glob("*.c"))))
+        return list(pool.map(one, _build().sources(_build().TESTING)))
 
 
 def build_harness(out: Path, harness: str, objects: list[Path], flags=()) -> Path:
@@ -111,13 +118,14 @@ def is_arm(path: Path) -> bool:
 
 
 def build_extension(out: Path, objects: list[Path]) -> Path:
-    """The cffi extension (alloc._core) for the aarch64 Python: its C source written by this
-    tree's builder (alloc/_build.py), compiled with the builder's flags against that Python's
-    headers and linked with the core's objects. Returns a folder holding an ``alloc`` package,
-    this tree's modules beside the aarch64 extension."""
-    builder = importlib.import_module("alloc._build")
-    source = out / "_core.c"
-    builder.ffibuilder.emit_c_code(str(source))
+    """The test build of the cffi extension (alloc._core_testing, which INDEXER_ARENA_CORE=testing
+    selects) for the aarch64 Python: its C source written by this tree's builder (alloc/_build.py),
+    compiled with the builder's flags against that Python's headers and linked with the core's
+    objects. Returns a folder holding an ``alloc`` package, this tree's modules beside the aarch64
+    extension."""
+    builder = _build()
+    source = out / "_core_testing.c"
+    builder.builder(testing=True).emit_c_code(str(source))
     include = PYTHON_ROOT / "usr" / "include"
     headers = sorted(include.glob("python3.*"))
     assert headers, f"no Python headers under {include}"
@@ -125,10 +133,10 @@ def build_extension(out: Path, objects: list[Path]) -> Path:
     package.mkdir(parents=True)
     done = subprocess.run([CC, "-shared", "-fPIC", *builder.compile_args(), f"-I{ROOT / 'csrc'}",
                            f"-I{headers[-1]}", f"-I{include}", str(source), *map(str, objects),
-                           "-ldl", "-lpthread", "-o", str(package / "_core.abi3.so")],
+                           "-ldl", "-lpthread", "-o", str(package / EXTENSION)],
                           capture_output=True, text=True)
     assert done.returncode == 0, f"the extension for aarch64: {done.stderr}"
-    assert is_arm(package / "_core.abi3.so")
+    assert is_arm(package / EXTENSION)
     for module in (ROOT / "alloc").glob("*.py"):
         (package / module.name).symlink_to(module)
     return package.parent
@@ -168,4 +176,4 @@ def guest_env(site: Path, pure: Path) -> dict:
     usr_lib = PYTHON_ROOT / "usr" / "lib" / "aarch64-linux-gnu"
     path = os.pathsep.join(map(str, [site, ROOT, pure, PYTHON_ROOT / "usr/lib/python3/dist-packages"]))
     return {"LD_LIBRARY_PATH": f"{lib}:{usr_lib}", "PYTHONPATH": path,
-            "PYTHONDONTWRITEBYTECODE": "1"}
+            "PYTHONDONTWRITEBYTECODE": "1", "INDEXER_ARENA_CORE": "testing"}

@@ -7,7 +7,7 @@ core's own. The engine conformance suite loads this file by path in each engine'
 
 def install_on_host(config, scope: str = "process") -> None:
     from alloc import plugin
-    from alloc._core import ffi, lib
+    from alloc._lib import ffi, lib
     c = ffi.new("ia_plugin_config_t *")
     chosen = plugin._SCOPE_TYPES[scope]()
     c.scope = chosen.code

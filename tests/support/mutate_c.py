@@ -4,7 +4,7 @@ survives, and either a test is missing or the change is equivalent (it cannot ch
 
 Every mutant is applied to a copy of the tree (the working tree is never touched): the copy is
 made once (with the built core, so that a rebuild compiles the mutated file alone), then for each
-mutant the file is changed, the core rebuilt (``alloc/_build.py``), the mutant's tests run with
+mutant the file is changed, the core's test build rebuilt (``tests/support/testing_core.py``), the mutant's tests run with
 ``pytest -x``, and the file restored.
 
     nice -n 10 python tests/support/mutate_c.py [--python] [--tree DIR] [--only N,M] [--timeout S]
@@ -51,57 +51,57 @@ class Mutant:
 
 
 MUTANTS = (
-    Mutant("csrc/arena_regions.c", "capacity.current + want > a->opts.limit", "capacity.current + want > a->opts.limit + 1",
+    Mutant("csrc/arena/arena_regions.c", "capacity.current + want > a->opts.limit", "capacity.current + want > a->opts.limit + 1",
            LIMITS, "an arena's limit allows one byte over"),
-    Mutant("csrc/arena_regions.c", "capacity.current + want > a->opts.limit", "capacity.current + want >= a->opts.limit",
+    Mutant("csrc/arena/arena_regions.c", "capacity.current + want > a->opts.limit", "capacity.current + want >= a->opts.limit",
            LIMITS, "an arena's limit refuses growth that lands on it"),
-    Mutant("csrc/arena_regions.c", "capacity.current + want > group;", "capacity.current + want > group + 1;",
+    Mutant("csrc/arena/arena_regions.c", "capacity.current + want > group;", "capacity.current + want > group + 1;",
            LIMITS, "the device totals' limit allows one byte over"),
-    Mutant("csrc/arena_regions.c", "capacity.current + want > group;", "capacity.current + want >= group;",
+    Mutant("csrc/arena/arena_regions.c", "capacity.current + want > group;", "capacity.current + want >= group;",
            LIMITS, "the device totals' limit refuses growth that lands on it"),
-    Mutant("csrc/arena_regions.c", "if (!group) return false;", "if (group) return false;",
+    Mutant("csrc/arena/arena_regions.c", "if (!group) return false;", "if (group) return false;",
            LIMITS, "the device totals' limit is never checked"),
-    Mutant("csrc/arena_regions.c", "if (_ia_release_free_regions(a)) a->stats.retries++;",
+    Mutant("csrc/arena/arena_regions.c", "if (_ia_release_free_regions(a)) a->stats.retries++;",
            "_ia_release_free_regions(a);", LIMITS, "a retry after releasing free regions is not counted"),
-    Mutant("csrc/arena_regions.c", "return rounded > o->region_min ? rounded : o->region_min;", "return rounded;",
+    Mutant("csrc/arena/arena_regions.c", "return rounded > o->region_min ? rounded : o->region_min;", "return rounded;",
            ARENA, "regions below region_min"),
-    Mutant("csrc/arena_stats.c", "if (b->size > largest) largest = b->size;", "largest = b->size;",
+    Mutant("csrc/arena/arena_stats.c", "if (b->size > largest) largest = b->size;", "largest = b->size;",
            ARENA, "largest free block: the last of its class, not the largest"),
-    Mutant("csrc/arena_stats.c", "for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)",
+    Mutant("csrc/arena/arena_stats.c", "for (block_t *b = a->bins[fl][sl]; b; b = b->free_next)",
            "for (block_t *b = a->bins[fl][sl]; b && b == a->bins[fl][sl]; b = b->free_next)",
            ARENA, "largest free block: the first of its class only"),
-    Mutant("csrc/arena_stats.c", "unsigned sl = _ia_log2_floor(a->sl_bitmap[fl]);",
+    Mutant("csrc/arena/arena_stats.c", "unsigned sl = _ia_log2_floor(a->sl_bitmap[fl]);",
            "unsigned sl = (unsigned)__builtin_ctz(a->sl_bitmap[fl]);", ARENA,
            "largest free block: looked for in the lowest class of the level"),
-    Mutant("csrc/arena_stats.c", "1.0 - (double)out->largest_free / (double)out->free_bytes",
+    Mutant("csrc/arena/arena_stats.c", "1.0 - (double)out->largest_free / (double)out->free_bytes",
            "(double)out->largest_free / (double)out->free_bytes", ARENA, "fragmentation inverted"),
-    Mutant("csrc/arena.c", "b->size - rsize >= a->opts.alignment ?", "b->size - rsize > a->opts.alignment ?",
+    Mutant("csrc/arena/arena.c", "b->size - rsize >= a->opts.alignment ?", "b->size - rsize > a->opts.alignment ?",
            ARENA, "a tail of exactly the alignment is not split off"),
-    Mutant("csrc/arena.c", "  b->requested = size;\n", "  b->requested = rsize;\n", ARENA,
+    Mutant("csrc/arena/arena.c", "  b->requested = size;\n", "  b->requested = rsize;\n", ARENA,
            "a live block's requested bytes are its rounded size"),
-    Mutant("csrc/arena.c", "  if (b->requested > b->size) b->requested = b->size;\n", "", ARENA,
+    Mutant("csrc/arena/arena.c", "  if (b->requested > b->size) b->requested = b->size;\n", "", ARENA,
            "a free block may claim more requested bytes than it holds"),
-    Mutant("csrc/arena.c", "    tail->requested = b->requested;\n", "    tail->requested = 0;\n", ARENA,
+    Mutant("csrc/arena/arena.c", "    tail->requested = b->requested;\n", "    tail->requested = 0;\n", ARENA,
            "a split's free tail forgets the requested bytes"),
-    Mutant("csrc/arena.c", "prev->requested = b->requested;", "(void)0;", ARENA,
+    Mutant("csrc/arena/arena.c", "prev->requested = b->requested;", "(void)0;", ARENA,
            "a merge keeps the earlier block's requested bytes"),
-    Mutant("csrc/arena.c", "_ia_count_live(a, 1, (int64_t)b->size, (int64_t)size);",
+    Mutant("csrc/arena/arena.c", "_ia_count_live(a, 1, (int64_t)b->size, (int64_t)size);",
            "_ia_count_live(a, 1, (int64_t)b->size, (int64_t)b->size);", ARENA,
            "requested counted as the block's size"),
-    Mutant("csrc/arena.c", "  a->stats.free_blocks++;\n", "", ARENA, "free blocks not counted"),
-    Mutant("csrc/plugin_oom.c", "_ia_format_bytes(s.largest_free, largest, sizeof largest));",
+    Mutant("csrc/arena/arena.c", "  a->stats.free_blocks++;\n", "", ARENA, "free blocks not counted"),
+    Mutant("csrc/torch/plugin_oom.c", "_ia_format_bytes(s.largest_free, largest, sizeof largest));",
            "_ia_format_bytes(s.free_bytes, largest, sizeof largest));", OOM,
            "the OOM message's largest free block is the free bytes"),
-    Mutant("csrc/plugin_oom.c", "_ia_format_bytes((uint64_t)s.in_use.current, used, sizeof used),",
+    Mutant("csrc/torch/plugin_oom.c", "_ia_format_bytes((uint64_t)s.in_use.current, used, sizeof used),",
            "_ia_format_bytes((uint64_t)s.requested.current, used, sizeof used),", OOM,
            "the OOM message's in-use figure is the requested bytes"),
-    Mutant("csrc/plugin_oom.c", "opening, req, size, device, _ia_format_bytes(_ia_plugin.config.budget, budget",
+    Mutant("csrc/torch/plugin_oom.c", "opening, req, size, device, _ia_format_bytes(_ia_plugin.config.budget, budget",
            "opening, req, size + 1, device, _ia_format_bytes(_ia_plugin.config.budget, budget", OOM,
            "the OOM message's byte count is off by one"),
-    Mutant("csrc/plugin_oom.c", "_ia_format_bytes((uint64_t)s.capacity.current, cap, sizeof cap), pages,",
+    Mutant("csrc/torch/plugin_oom.c", "_ia_format_bytes((uint64_t)s.capacity.current, cap, sizeof cap), pages,",
            "_ia_format_bytes((uint64_t)s.capacity.peak, cap, sizeof cap), pages,", OOM,
            "the OOM message gives the peak capacity"),
-    Mutant("csrc/plugin_oom.c", "if (size <= 1024) snprintf", "if (size < 1024) snprintf", OOM,
+    Mutant("csrc/torch/plugin_oom.c", "if (size <= 1024) snprintf", "if (size < 1024) snprintf", OOM,
            "PyTorch's words: 1024 bytes written as 1.00 KiB"),
 )
 
@@ -179,7 +179,9 @@ def copy_tree(source: Path, tests_from: Path | None, into: Path) -> Path:
 
 
 def build(tree: Path) -> bool:
-    done = subprocess.run([sys.executable, "alloc/_build.py"], cwd=tree, capture_output=True, text=True)
+    """The test build of the core (the one the tests load), stamped so that they need not rebuild it."""
+    done = subprocess.run([sys.executable, "-c", "from tests.support.testing_core import ensure_built; ensure_built()"],
+                          cwd=tree, capture_output=True, text=True)
     return done.returncode == 0
 
 

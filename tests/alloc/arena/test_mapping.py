@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from alloc import Arena, ArenaOutOfMemory, HostGuard
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 
 MiB = 1 << 20
 PAGE = 64 << 10

@@ -151,7 +151,7 @@ def test_the_invariant_walk_holds_the_quantities_after_a_random_workload():
 PLUGIN = """
 import alloc
 from alloc import plugin
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 64 << 20, 256, 0, 1, 0
 assert lib.ia_plugin_configure(c) == lib.IA_OK
@@ -207,7 +207,7 @@ def test_memory_stats_is_the_core_s_table_of_pytorch_s_keys(fresh_python):
 ROUNDED = """
 import random
 from alloc import plugin
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 64 << 20, 512, 0, 1, 0
 assert lib.ia_plugin_configure(c) == lib.IA_OK

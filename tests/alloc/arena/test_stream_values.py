@@ -39,7 +39,7 @@ def test_every_stream_a_caller_can_pass_is_ordered_or_refused_at_the_boundary(fi
 
 
 def test_the_core_refuses_the_no_stream_value_wherever_a_stream_enters_it():
-    from alloc._core import ffi, lib
+    from alloc._lib import ffi, lib
     with Arena(MiB) as a:
         h, out, none = a._arena, ffi.new("void **"), 2**64 - 1
         assert lib.ia_arena_alloc(h, 4096, none, out) == lib.IA_ERR_INVALID_ARGUMENT

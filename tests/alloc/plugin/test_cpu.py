@@ -1,6 +1,7 @@
 """The plugin's CPU-checkable parts: the out-of-memory path through the C++ shim, configuration
 order, the workspace scope and the statistics before any device exists."""
 
+import importlib
 import shutil
 import subprocess
 import threading
@@ -11,7 +12,7 @@ import alloc
 from tests.support import run_python
 
 OOM_VIA_SHIM = """
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 from alloc import shims
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified = 1 << 20, 256, 0
@@ -51,15 +52,32 @@ def test_the_pool_entry_point_raises_too_and_returns_null_without_a_hook():
     assert done.returncode == 0 and done.stdout.split() == ["True", "returned"], done.stderr
 
 
-def test_the_core_exports_only_what_pytorch_looks_up():
+def _defined_symbols(path: str, dynamic: bool) -> set[str]:
     nm = shutil.which("nm")
     if nm is None:
         pytest.skip("no nm on this machine")
-    from alloc.plugin import core_library_path
-    listed = subprocess.run([nm, "-D", "--defined-only", core_library_path()], capture_output=True,
+    listed = subprocess.run([nm, *(["-D"] if dynamic else []), "--defined-only", path], capture_output=True,
                             text=True, check=True).stdout
-    names = {line.split()[-1] for line in listed.splitlines() if line.split()[1:2] == ["T"]}
-    assert names == {"PyInit__core", "ia_pool_alloc", "ia_pool_free"}
+    return {line.split()[-1] for line in listed.splitlines() if line.split()[1:2] in (["T"], ["t"])}
+
+
+@pytest.mark.parametrize("module", ["alloc._core", "alloc._core_testing"])
+def test_the_core_exports_only_what_pytorch_looks_up(module):
+    path = importlib.import_module(module).__file__
+    names = {n for n in _defined_symbols(path, dynamic=True)}
+    assert names == {f"PyInit_{module.split('.')[-1]}", "ia_pool_alloc", "ia_pool_free"}
+
+
+def test_the_production_core_carries_no_test_machinery():
+    """csrc/testing/ is built into the test build alone (alloc/_build.py): the production
+    extension neither declares nor contains its entry points."""
+    import alloc._core as production
+    import alloc._core_testing as testing
+    for name in ("ia_host_capture_begin", "ia_host_capture_violations", "ia_graph_check", "ia_arena_backend"):
+        assert not hasattr(production.lib, name) and hasattr(testing.lib, name), name
+    assert "ia_host_capture_begin" not in _defined_symbols(production.__file__, dynamic=False)
+    assert "ia_host_capture_begin" in _defined_symbols(testing.__file__, dynamic=False)
+    assert getattr(production.lib, "ia_arena_check")  # the invariant walk is the library's (Arena.check)
 
 
 def test_without_a_hook_it_aborts_with_the_message_instead_of_returning_null():
@@ -71,14 +89,14 @@ def test_without_a_hook_it_aborts_with_the_message_instead_of_returning_null():
 
 def test_an_unconfigured_plugin_says_to_install():
     done = run_python("""
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 lib.ia_torch_alloc(4096, 0, ffi.NULL, ffi.NULL)
 """)
     assert done.returncode != 0 and "call alloc.install()" in done.stderr
 
 
 def test_size_zero_and_null_free_need_nothing():
-    from alloc._core import ffi, lib
+    from alloc._lib import ffi, lib
     assert lib.ia_torch_alloc(0, 0, ffi.NULL, ffi.NULL) == ffi.NULL
     lib.ia_torch_free(ffi.NULL)
 
@@ -212,7 +230,7 @@ def test_the_scope_chosen_at_install_decides_what_reserve_and_the_pool_do(scope)
 
 
 WORKSPACE_OOM = """
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 from alloc import shims
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory = 1 << 20, 256, 0, 1
@@ -243,7 +261,7 @@ def test_the_workspace_out_of_memory_message_gives_the_arenas_figures():
 
 GENERAL_OOM = """
 import json
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 from alloc import shims
 from alloc.arena import stats_dict
 c = ffi.new("ia_plugin_config_t *")

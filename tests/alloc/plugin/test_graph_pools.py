@@ -12,7 +12,7 @@ from tests.support import run_python
 
 PRELUDE = """
 import types
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 from alloc.arena import stats_dict
 
 c = ffi.new("ia_plugin_config_t *")

@@ -8,7 +8,7 @@ MiB = 1 << 20
 # -- the plugin's general pools, mapped --------------------------------------------------------------
 PLUGIN = """
 import types
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 from alloc.arena import stats_dict
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory, c.expandable = 64 << 20, 256, 0, 1, {expandable}

@@ -8,7 +8,7 @@ import pytest
 from tests.support import run_python
 
 PRELUDE = """
-from alloc._core import ffi, lib
+from alloc._lib import ffi, lib
 c = ffi.new("ia_plugin_config_t *")
 c.budget, c.alignment, c.unified, c.host_memory = 64 << 20, 256, 0, 1
 assert lib.ia_plugin_configure(c) == lib.IA_OK

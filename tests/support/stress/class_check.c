@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "arena/private.h"
 #include "xorshift.h"
 
 static uint64_t rng;

@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena.h"
+#include "indexer_arena.h"
 #include "xorshift.h"
 
 #define MAX_THREADS 32

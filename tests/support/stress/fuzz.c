@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena_testing.h"
+#include "testing/testing.h"
 
 #define LIVE 256
 #define STREAM_NONE ((ia_stream_t)UINTPTR_MAX) /* free on the block's own stream */

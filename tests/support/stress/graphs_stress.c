@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena_testing.h"
+#include "testing/testing.h"
 #include "canary.h"
 
 static long ops_per_thread, graphs;

@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "arena/internal.h"
 
 #define MiB ((size_t)1 << 20)
 

@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena_testing.h"
+#include "testing/testing.h"
 #include "canary.h"
 
 #define MiB ((size_t)1 << 20)

@@ -7,7 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "torch/plugin.h"
 #include "xorshift.h"
 
 #define MAX_REGIONS 300

@@ -16,7 +16,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "arena.h"
+#include "arena/arena.h"
 #include "xorshift.h"
 
 #define MAILBOX 4096

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "backend.h"
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;

@@ -1,10 +1,68 @@
-/* The plugin's state, shared by plugin.c (configuration and devices), plugin_entry.c (PyTorch's
- * entry points and routing) and plugin_oom.c (out-of-memory messages and the report); not part of
+/* The PyTorch allocator's shared state and the calls between its files (csrc/torch/); not part of
  * the public interface. */
 #ifndef INDEXER_ARENA_PLUGIN_H
 #define INDEXER_ARENA_PLUGIN_H
 
-#include "internal.h"
+#include "../arena/backend.h"
+#include "../arena/internal.h"
+#include "allocator.h"
+
+/* Who an arena serves: the device, and the CUDA graph pool when it is one of a pool's arenas. */
+typedef struct graph_pool graph_pool_t;
+typedef struct {
+  int device;
+  graph_pool_t *graph_pool;
+} _ia_owner_t;
+
+/* The region registry (registry.c). The hook is an _ia_region_hook_t whose ctx is the arena's
+ * owner, which must outlive the arena's regions. */
+void _ia_registry_hook(void *ctx, ia_arena_t *arena, uintptr_t base, size_t size, bool added);
+ia_arena_t *_ia_registry_find(const void *ptr, const _ia_owner_t **owner);
+
+/* Between plugin.c and graphs.c (IA_MAX_DEVICES: arena.h). */
+enum { GRAPH_SMALL = 0, GRAPH_LARGE = 1, GRAPH_WORKSPACE = 2, GRAPH_KINDS = 3 };
+ia_totals_t *_ia_plugin_totals(int device);
+/* A new arena of a graph pool: small and large like the device's general pools; workspace carved
+ * from the device's workspace arena on `stream`. */
+ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, const _ia_owner_t *owner,
+                                   ia_arena_t **out);
+/* Records, on every stream with frees not yet behind an event, the event that orders them, in each
+ * of the device's arenas: done when a capture is about to begin, so that no event need ever be
+ * recorded on a stream while it captures. */
+void _ia_plugin_flush_events(int device);
+ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st);
+/* Every free while a pool allocates (graph_frees.c): keeps its graph pool; true when held for later. */
+bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
+/* Before a graph pool's allocation on `stream` with record_stream_reuse on: frees the held blocks of
+ * that stream whose last uses the capture's graph now orders before the stream's next work. */
+void _ia_graph_reclaim(int device, ia_stream_t stream);
+/* graph_frees.c, once the device's last capture ended: every held free runs. */
+void _ia_graph_run_held(int device);
+/* graphs.c: each pool allocating now keeps `owner` while it lives (a block of owner was freed). */
+void _ia_graph_keep(int device, graph_pool_t *owner);
+/* Frees a live block of `arena` on its own stream, saying on stderr when that is refused; a released
+ * graph pool then gives back what came free. */
+void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr);
+void _ia_graph_flush_arenas(int device);
+/* A MemPool's allocator (NULL: none) and no_split, under the graphs' lock; an eager request that
+ * failed, served from a free block of a use_on_oom MemPool (NULL: none). */
+const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *pool, bool *no_split);
+void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind);
+void _ia_graph_pools_flush_events(int device);
+/* Calls fn for every arena of the device's graph pools, under the lock that keeps them alive. */
+void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
+                          void *ctx);
+/* Adds the graph pools' arenas as sum_device (plugin.c) does: kinds[IA_KIND_ALL], and the small or
+ * large one when count is IA_KIND_COUNT. */
+void _ia_graph_add_stats(int device, ia_stats_t *kinds, int count);
+/* reset_peak_memory_stats() for the graph pools: their arenas' and the retired record's peaks. */
+void _ia_graph_reset_peaks(int device);
+/* Backends whose reservations are blocks of `parent` taken on `stream`, or come from a MemPool's
+ * allocator; events come from `events`, which each owns. */
+ia_status_t _ia_pool_backend_create(const ia_pool_allocator_t *allocator, int device, ia_stream_t stream,
+                                    ia_backend_t *events, ia_backend_t **out);
+ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_backend_t *events,
+                                     ia_backend_t **out);
 
 /* Note [Device lifetime]
  * ~~~~~~~~~~~~~~~~~~~~~~

@@ -5,8 +5,7 @@
  * for more than a few additions. */
 #include <pthread.h>
 
-#include "arena_testing.h"
-#include "internal.h"
+#include "private.h"
 
 typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;
@@ -97,7 +96,7 @@ size_t ia_arena_alignment(const ia_arena_t *a) { return a->opts.alignment; }
 
 size_t ia_arena_page_size(const ia_arena_t *a) { return a->page; }
 
-const ia_backend_t *ia_arena_backend(const ia_arena_t *a) { return a->backend; }
+const ia_backend_t *_ia_arena_backend(const ia_arena_t *a) { return a->backend; }
 
 bool ia_arena_address_range(const ia_arena_t *a, ia_region_info_t *out) {
   if (a->range_size) *out = (ia_region_info_t){a->range_base, a->range_size};
@@ -163,4 +162,18 @@ void ia_arena_set_trace(ia_arena_t *a, ia_trace_t *t, int32_t device, uint8_t po
   for (region_t *r = attaching ? a->regions : NULL; r; r = r->next)
     _ia_arena_trace(a, IA_TRACE_RESERVE, r->base, r->size, IA_STREAM_NONE);
   _ia_arena_unlock(a);
+}
+
+/* Arenas summed: every quantity and counter added, the largest free block the larger one. */
+void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s) {
+  uint64_t largest = sum->largest_free > s->largest_free ? sum->largest_free : s->largest_free;
+#define ADD_QUAD(name, torch, doc)                                                                  \
+  sum->name = (ia_stat_t){sum->name.current + s->name.current, sum->name.peak + s->name.peak,        \
+                          sum->name.allocated + s->name.allocated, sum->name.freed + s->name.freed};
+#define ADD(type, name, doc) sum->name = _Generic(sum->name, double: sum->name, default: sum->name + s->name);
+  IA_STAT_QUADS(ADD_QUAD)
+  IA_STAT_COUNTERS(ADD)
+#undef ADD
+#undef ADD_QUAD
+  sum->largest_free = largest;
 }

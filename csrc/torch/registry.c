@@ -12,7 +12,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "plugin.h"
 
 typedef struct {
   uintptr_t base, end;

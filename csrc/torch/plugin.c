@@ -307,19 +307,6 @@ bool ia_plugin_workspace_reserved(int device) {
 bool ia_plugin_device_unified(int device) { return _ia_device_ready(device) && _ia_plugin.devices[device].unified; }
 bool ia_plugin_device_expandable(int device) { return _ia_device_ready(device) && _ia_plugin.devices[device].expandable; }
 
-void _ia_stats_add(ia_stats_t *sum, const ia_stats_t *s) {
-  uint64_t largest = sum->largest_free > s->largest_free ? sum->largest_free : s->largest_free;
-#define ADD_QUAD(name, torch, doc)                                                                  \
-  sum->name = (ia_stat_t){sum->name.current + s->name.current, sum->name.peak + s->name.peak,        \
-                          sum->name.allocated + s->name.allocated, sum->name.freed + s->name.freed};
-#define ADD(type, name, doc) sum->name = _Generic(sum->name, double: sum->name, default: sum->name + s->name);
-  IA_STAT_QUADS(ADD_QUAD)
-  IA_STAT_COUNTERS(ADD)
-#undef ADD
-#undef ADD_QUAD
-  sum->largest_free = largest;
-}
-
 /* The device's exact current and peak of a quantity its totals keep; the sums came from the arenas. */
 static void exact(ia_stat_t *s, const _ia_total_t *t) {
   s->current = t->current;

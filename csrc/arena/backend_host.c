@@ -5,15 +5,7 @@
  * that it happened: on the host there is no queued work for it to hold back. Tests use the counts
  * to see that the arena ordered a cross-stream reuse.
  *
- * CUDA graph capture is simulated with CUDA's rules, and every break of them is counted instead of
- * invalidating anything: a stream put in capture (ia_host_capture_begin, shared by all host
- * backends) records captured events; querying a captured event, a wait between a captured event
- * and a stream outside that capture, and giving a reservation back while any stream captures are
- * violations. A capturing stream's wait on an outside event is made on the host, as the CUDA
- * backend does, and counted as a host wait. The capture's graph is simulated too: work launched
- * on a capturing stream (ia_host_capture_launch) is a node after the stream's frontier, and a
- * stream's wait on another (ia_host_capture_wait) joins the other's frontier to its own, pulling
- * it into the capture as an event wait does in CUDA; the nodes go once no stream captures.
+ * CUDA graph capture is simulated in the test build alone (csrc/testing/host_capture.c).
  *
  * Page mapping (ia_host_mapping_backend_create) is simulated with the kernel's own pages: an
  * address range is an inaccessible mapping (PROT_NONE), a mapped page is made read-write and
@@ -28,8 +20,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "arena_testing.h"
-#include "internal.h"
+#include "backend.h"
 
 typedef struct {
   ia_stream_t stream;
@@ -47,135 +38,28 @@ typedef struct {
   uint64_t capture; /* the capture it was recorded in; 0: none */
 } host_event_t;
 
-typedef struct host_node {
-  struct host_node **parents;
-  size_t n_parents;
-  struct host_node *next; /* every node of every capture, freed once no stream captures */
-} host_node_t;
+/* Simulated CUDA graph capture, when the test build links it in (csrc/testing/host_capture.c);
+ * without it no stream ever captures and nothing breaks capture rules. */
+static const _ia_host_captures_t *captures;
 
-#define MAX_CAPTURING 64
-#define MAX_FRONTIER 64
-static struct {
-  pthread_mutex_t lock;
-  struct {
-    ia_stream_t stream;
-    uint64_t id;
-    host_node_t *frontier[MAX_FRONTIER];
-    size_t n_frontier;
-  } streams[MAX_CAPTURING];
-  size_t count;
-  host_node_t *nodes;
-  _Atomic uint64_t violations, host_waits;
-} captures = {.lock = PTHREAD_MUTEX_INITIALIZER};
-
-/* The stream's index among the capturing ones, or -1; under captures.lock. */
-static int capturing_index(ia_stream_t stream) {
-  for (size_t i = 0; i < captures.count; i++)
-    if (captures.streams[i].stream == stream) return (int)i;
-  return -1;
-}
-
-static uint64_t capture_of(ia_stream_t stream) {
-  pthread_mutex_lock(&captures.lock);
-  int i = capturing_index(stream);
-  uint64_t id = i < 0 ? 0 : captures.streams[i].id;
-  pthread_mutex_unlock(&captures.lock);
-  return id;
-}
-
-/* Under captures.lock: the stream starts capturing `capture` with an empty frontier. */
-static bool start_capturing(ia_stream_t stream, uint64_t capture) {
-  if (!capture || captures.count == MAX_CAPTURING || capturing_index(stream) >= 0) return false;
-  captures.streams[captures.count].stream = stream;
-  captures.streams[captures.count].id = capture;
-  captures.streams[captures.count++].n_frontier = 0;
-  return true;
-}
-
-bool ia_host_capture_begin(ia_stream_t stream, uint64_t capture) {
-  pthread_mutex_lock(&captures.lock);
-  bool ok = start_capturing(stream, capture);
-  pthread_mutex_unlock(&captures.lock);
-  return ok;
-}
-
-void ia_host_capture_end(ia_stream_t stream) {
-  pthread_mutex_lock(&captures.lock);
-  int i = capturing_index(stream);
-  if (i >= 0) captures.streams[i] = captures.streams[--captures.count];
-  while (!captures.count && captures.nodes) {
-    host_node_t *n = captures.nodes;
-    captures.nodes = n->next;
-    free(n->parents);
-    free(n);
-  }
-  pthread_mutex_unlock(&captures.lock);
-}
-
-const void *ia_host_capture_launch(ia_stream_t stream) {
-  pthread_mutex_lock(&captures.lock);
-  int i = capturing_index(stream);
-  host_node_t *n = i < 0 ? NULL : calloc(1, sizeof *n);
-  if (n && captures.streams[i].n_frontier) {
-    n->n_parents = captures.streams[i].n_frontier;
-    n->parents = malloc(n->n_parents * sizeof *n->parents);
-    if (n->parents) {
-      for (size_t k = 0; k < n->n_parents; k++) n->parents[k] = captures.streams[i].frontier[k];
-    } else {
-      free(n);
-      n = NULL;
-    }
-  }
-  if (n) {
-    n->next = captures.nodes;
-    captures.nodes = n;
-    captures.streams[i].frontier[0] = n;
-    captures.streams[i].n_frontier = 1;
-  }
-  pthread_mutex_unlock(&captures.lock);
-  return n;
-}
-
-bool ia_host_capture_wait(ia_stream_t waiter, ia_stream_t waited) {
-  pthread_mutex_lock(&captures.lock);
-  int from = capturing_index(waited), to = capturing_index(waiter);
-  bool ok = from >= 0 && (to < 0 || captures.streams[to].id == captures.streams[from].id);
-  if (ok && to < 0) {
-    ok = start_capturing(waiter, captures.streams[from].id);
-    to = (int)captures.count - 1;
-  }
-  for (size_t k = 0; ok && k < captures.streams[from].n_frontier; k++) {
-    host_node_t *node = captures.streams[from].frontier[k];
-    bool known = false;
-    for (size_t j = 0; j < captures.streams[to].n_frontier; j++) known |= captures.streams[to].frontier[j] == node;
-    if (!known && (ok = captures.streams[to].n_frontier < MAX_FRONTIER))
-      captures.streams[to].frontier[captures.streams[to].n_frontier++] = node;
-  }
-  pthread_mutex_unlock(&captures.lock);
-  return ok;
+void _ia_host_set_captures(const _ia_host_captures_t *sim) { captures = sim; }
+static uint64_t capture_of(ia_stream_t stream) { return captures ? captures->capture_of(stream) : 0; }
+static bool any_capturing(void) { return captures && captures->any(); }
+static void violation(void) {
+  if (captures) captures->violation();
 }
 
 static size_t host_capture_frontier(ia_backend_t *self, ia_stream_t stream, uint64_t *capture, const void **out,
                                     size_t cap) {
   (void)self;
-  pthread_mutex_lock(&captures.lock);
-  int i = capturing_index(stream);
-  *capture = i < 0 ? 0 : captures.streams[i].id;
-  size_t n = i < 0 ? 0 : captures.streams[i].n_frontier;
-  for (size_t k = 0; k < n && k < cap; k++) out[k] = captures.streams[i].frontier[k];
-  pthread_mutex_unlock(&captures.lock);
-  return n;
+  *capture = 0;
+  return captures ? captures->frontier(stream, capture, out, cap) : 0;
 }
 
 static size_t host_node_parents(ia_backend_t *self, const void *node, const void **out, size_t cap) {
   (void)self;
-  const host_node_t *n = node;
-  for (size_t k = 0; k < n->n_parents && k < cap; k++) out[k] = n->parents[k];
-  return n->n_parents;
+  return captures ? captures->parents(node, out, cap) : 0;
 }
-
-uint64_t ia_host_capture_violations(void) { return atomic_load(&captures.violations); }
-uint64_t ia_host_capture_host_waits(void) { return atomic_load(&captures.host_waits); }
 
 static bool host_stream_capturing(ia_backend_t *self, ia_stream_t stream) {
   (void)self;
@@ -234,16 +118,9 @@ static ia_status_t host_reserve(ia_backend_t *self, size_t size, void **out) {
   return IA_OK;
 }
 
-static bool any_capturing(void) {
-  pthread_mutex_lock(&captures.lock);
-  bool any = captures.count > 0;
-  pthread_mutex_unlock(&captures.lock);
-  return any;
-}
-
 static void host_release(ia_backend_t *self, void *base, size_t size) {
   host_backend_t *h = host(self);
-  if (any_capturing()) atomic_fetch_add(&captures.violations, 1);
+  if (any_capturing()) violation();
   munmap(base, size);
   pthread_mutex_lock(&h->lock);
   h->reserved -= size;
@@ -286,7 +163,7 @@ static ia_status_t host_event_record(ia_backend_t *self, void *event, ia_stream_
 static bool host_event_done(ia_backend_t *self, void *event) {
   host_backend_t *h = host(self);
   host_event_t *e = event;
-  if (e->capture) atomic_fetch_add(&captures.violations, 1);
+  if (e->capture) violation();
   pthread_mutex_lock(&h->lock);
   stream_clock_t *c = clock_of(h, e->stream);
   bool done = !c || c->completed >= e->seq;
@@ -299,10 +176,10 @@ static ia_status_t host_stream_wait(ia_backend_t *self, ia_stream_t stream, void
   host_event_t *e = event;
   uint64_t waiter_capture = capture_of(stream);
   if (waiter_capture && !e->capture) { /* made on the host: nothing is queued behind it */
-    atomic_fetch_add(&captures.host_waits, 1);
+    captures->host_wait();
     return IA_OK;
   }
-  if (waiter_capture != e->capture) atomic_fetch_add(&captures.violations, 1);
+  if (waiter_capture != e->capture) violation();
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&h->lock);
   wait_count_t *w = NULL;
@@ -324,7 +201,7 @@ static ia_status_t host_stream_wait(ia_backend_t *self, ia_stream_t stream, void
 static ia_status_t host_event_wait(ia_backend_t *self, void *event) {
   host_backend_t *h = host(self);
   host_event_t *e = event;
-  if (e->capture) atomic_fetch_add(&captures.violations, 1);
+  if (e->capture) violation();
   pthread_mutex_lock(&h->lock);
   stream_clock_t *c = clock_of(h, e->stream);
   if (c && c->completed < e->seq) {
@@ -443,7 +320,7 @@ static void host_unmap(ia_backend_t *self, void *at, size_t size) {
   host_backend_t *h = host(self);
   uintptr_t p = (uintptr_t)at;
   size_t page = self->page_size;
-  if (any_capturing()) atomic_fetch_add(&captures.violations, 1);
+  if (any_capturing()) violation();
   pthread_mutex_lock(&h->lock);
   host_range_t *r = stretch_range(h, p, size);
   size_t first = r ? (p - r->base) / page : 0, n = size / page;

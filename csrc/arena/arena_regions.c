@@ -1,7 +1,7 @@
 /* Regions that are reservations: made, given back, grown into (arena_mapped.c: mapped stretches). */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "private.h"
 
 typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;

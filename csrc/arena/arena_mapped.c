@@ -1,7 +1,7 @@
 /* The arena over a backend that maps pages: its regions are the mapped stretches of one range. */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "private.h"
 
 typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;

@@ -38,7 +38,7 @@
 #include <vector>
 
 extern "C" {
-#include "arena.h"
+#include "allocator.h"
 }
 
 namespace {

@@ -3,7 +3,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "private.h"
 
 typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;

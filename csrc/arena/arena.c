@@ -40,7 +40,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "private.h"
 
 typedef _ia_region_t region_t;
 typedef _ia_block_t block_t;

@@ -16,7 +16,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "plugin.h"
 
 typedef struct {
   ia_arena_t *arena;

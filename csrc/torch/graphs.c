@@ -25,8 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena_testing.h"
-#include "internal.h"
+#include "plugin.h"
 
 typedef struct {
   ia_stream_t stream;
@@ -483,20 +482,6 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
   c->events = events;
   *out = &c->base;
   return IA_OK;
-}
-
-bool ia_graph_check(int device, ia_pool_id_t id, char *msg, size_t msg_len) {
-  struct device_graphs *g = graphs_of(device);
-  bool ok = true;
-  if (msg_len) msg[0] = '\0';
-  if (!g) return true;
-  pthread_mutex_lock(&g->lock);
-  graph_pool_t *p = find_pool(g, id);
-  if (p) FOR_EACH_ARENA(p, k, a) {
-    if (ok) ok = ia_arena_check(a, msg, msg_len); /* the first broken invariant's message stays */
-  }
-  pthread_mutex_unlock(&g->lock);
-  return ok;
 }
 
 void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "internal.h"
+#include "backend.h"
 
 enum {
   CUDA_SUCCESS = 0,

@@ -3,7 +3,7 @@
  * a pool's allocator for its segments. Events still come from the device's CUDA backend. */
 #include <stdlib.h>
 
-#include "internal.h"
+#include "plugin.h"
 
 typedef struct {
   ia_backend_t base;

@@ -6,7 +6,7 @@
 #define INDEXER_ARENA_TESTING_H
 
 #ifndef IA_CDEF
-#include "arena.h"
+#include "../indexer_arena.h"
 #endif
 
 /* CUDA graph capture, simulated for every host backend at once: the stream captures under the id
