@@ -200,12 +200,17 @@ static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int u
 ia_status_t ia_graph_begin(int device, ia_pool_id_t id) {
   ia_totals_t *t = _ia_plugin_totals(device);
   if (!t) return IA_ERR_INVALID_ARGUMENT;
-  /* Before the capture starts (PyTorch begins allocating to the pool first): events for every
-   * pending free are recorded now, while no stream of the device captures on our account. */
-  _ia_plugin_flush_events(device);
   ia_status_t st = pool_call(device, id, 1, 1, true);
-  if (st == IA_OK) atomic_fetch_add(&t->captures, 1);
-  return st;
+  if (st != IA_OK) return st;
+  atomic_fetch_add(&t->captures, 1);
+  /* PyTorch begins allocating to the pool before the capture starts. From the count on, no arena of
+   * the device gives memory back; a release that looked before it may still be unmapping under its
+   * arena's lock, and recording the pending frees' events takes every arena's lock once, which waits
+   * it out: when this returns nothing goes back to the driver while the capture runs, as PyTorch's
+   * allocator mutex guarantees (its release and beginAllocateToPool take it alike). The events are
+   * recorded while no stream of the device captures yet. */
+  _ia_plugin_flush_events(device);
+  return IA_OK;
 }
 
 ia_status_t ia_graph_end(int device, ia_pool_id_t id) {

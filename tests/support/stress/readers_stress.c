@@ -158,8 +158,9 @@ int main(int argc, char **argv) {
   if (canary_failures || torn_segments || backwards || refused_releases || totals.in_use.current ||
       ia_host_capture_violations()) {
     fprintf(stderr, "%s\ncanary failures %lu, torn segments %lu, counters backwards %lu, releases refused %lu, "
-            "bytes live %lld\n", first_problem, (unsigned long)canary_failures, (unsigned long)torn_segments,
-            (unsigned long)backwards, (unsigned long)refused_releases, (long long)totals.in_use.current);
+            "bytes live %lld, capture violations %lu\n", first_problem, (unsigned long)canary_failures,
+            (unsigned long)torn_segments, (unsigned long)backwards, (unsigned long)refused_releases,
+            (long long)totals.in_use.current, (unsigned long)ia_host_capture_violations());
     return 1;
   }
   printf("ok\n");
