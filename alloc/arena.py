@@ -37,7 +37,7 @@ def _power_of_two(name: str, value, low: int) -> int:
 
 _QUANTITY = ffi.typeof("ia_stat_t")
 _FIELDS = ffi.typeof("ia_stats_t").fields
-#: The quantities (csrc/arena.h, IA_STAT_QUADS): each an ia_stat_t of current, peak, allocated, freed.
+#: The quantities (csrc/arena/arena.h, IA_STAT_QUADS): each an ia_stat_t of current, peak, allocated, freed.
 QUANTITIES = tuple(name for name, field in _FIELDS if field.type is _QUANTITY)
 
 

@@ -2,7 +2,7 @@
 
 ``install()`` (scope ``"process"``) makes the C core PyTorch's CUDA allocator, through a subclass
 of PyTorch's ``CUDAPluggableAllocator`` compiled against the installed torch
-(csrc/torch_allocator.cpp); from then on every CUDA tensor of the process, CUDA graph pools
+(csrc/torch/torch_allocator.cpp); from then on every CUDA tensor of the process, CUDA graph pools
 included, comes from this package's arenas.
 
 ``install(scope="workspace")`` leaves PyTorch's own allocator in charge of every other tensor and
@@ -158,7 +158,7 @@ class _WorkspaceScope(_CoreScope):
             with torch.cuda.device(index), torch.cuda.use_mem_pool(pool, index):
                 torch.empty(segment, dtype=torch.uint8, device=index)  # freed at once; kept cached
             # One block of one reservation: the arena outlives a release (Note [Device lifetime],
-            # csrc/plugin.h), so its cumulative counters count earlier reservations too.
+            # csrc/torch/plugin.h), so its cumulative counters count earlier reservations too.
             held = device_arena(index, "workspace").stats()
             if held["in_use"] != segment or held["blocks"] != 1 or held["regions"] != 1:
                 raise InstallError(
@@ -470,7 +470,7 @@ _TORCH_FIELDS = ("current", "peak", "allocated", "freed")
 
 def memory_stats(device: int | None = None) -> dict:
     """PyTorch's ``memory_stats()`` keys, with PyTorch's meaning, as the C core fills them for
-    ``torch.cuda.memory_stats()`` too (ia_plugin_torch_stats; csrc/arena.h, IA_STAT_QUADS, pairs
+    ``torch.cuda.memory_stats()`` too (ia_plugin_torch_stats; csrc/arena/arena.h, IA_STAT_QUADS, pairs
     each of PyTorch's families with the arena's quantity and says what it counts):
 
     - ``allocated_bytes``, ``requested_bytes``, ``allocation``: bytes (rounded; as asked) and blocks

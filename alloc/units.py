@@ -5,14 +5,14 @@ MiB = 1 << 20
 GiB = 1 << 30
 PAGE = 2 * MiB
 """The driver's granularity: cudaMalloc rounds to it and the VMM maps pages of it, so an arena's
-regions round to it by default (ia_arena_default_options in csrc/arena.c) and the host backend
+regions round to it by default (ia_arena_default_options in csrc/arena/arena.c) and the host backend
 simulates pages of it."""
 U64_MAX = (1 << 64) - 1
 """The largest size, address or stream a C uint64_t, size_t or pointer holds here."""
 MAX_SIZE = 1 << 62
-"""The largest capacity, region or request the C core takes (IA_MAX_REQUEST in csrc/internal.h)."""
+"""The largest capacity, region or request the C core takes (IA_MAX_REQUEST in csrc/arena/internal.h)."""
 MAX_DEVICES = 64
-"""Devices the allocator serves: indices 0 to MAX_DEVICES - 1 (IA_MAX_DEVICES in csrc/arena.h)."""
+"""Devices the allocator serves: indices 0 to MAX_DEVICES - 1 (IA_MAX_DEVICES in csrc/arena/arena.h)."""
 
 _BOUNDS = {U64_MAX: ("2**64 - 1", "the most a 64-bit field holds"),
            MAX_SIZE: ("2**62", "the most an arena takes"),
@@ -76,6 +76,11 @@ def fmt_bytes(n: float) -> str:
 def fmt_mib(n: float | None, decimals: int = 0) -> str:
     """A byte count as a table's MiB column: 2,950 (``decimals`` 0), 2,750.0 (1); "-" for None."""
     return "-" if n is None else f"{n / MiB:,.{decimals}f}"
+
+
+def fmt_mib_text(n: float) -> str:
+    """A byte count in a sentence, in MiB to a tenth: '2,750.0 MiB'."""
+    return f"{fmt_mib(n, 1)} MiB"
 
 
 def output_width(to_terminal: bool, fallback: int) -> int:

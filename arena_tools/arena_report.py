@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 REPORT_FORMAT = "indexer-arena-report-2"
 # Format 1 wrote the counters of blocks and of bytes handed out under these names; format 2 writes
-# every quantity as `name`, `name_peak`, `name_allocated`, `name_freed` (csrc/arena.h).
+# every quantity as `name`, `name_peak`, `name_allocated`, `name_freed` (csrc/arena/arena.h).
 FORMAT_1 = "indexer-arena-report-1"
 FORMAT_1_NAMES = {"blocks_in_use": "blocks", "requests_served": "blocks_allocated", "frees": "blocks_freed",
                   "allocated_total": "in_use_allocated", "freed_total": "in_use_freed"}

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sys
 
 from alloc.units import MiB
+from alloc.units import fmt_mib_text as _mib
 
 from .allocators import ALLOCATORS as TABLE
-from .serving import mib as _mib
 from .textout import Console, Table, terminal_columns
 
 ALLOCATORS = tuple(TABLE[n].name for n in ("default", "arena"))

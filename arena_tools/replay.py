@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 from alloc.config import flag_value
 from alloc.units import MiB, fmt_bytes, output_width
+from alloc.units import fmt_mib as _mib
 
 from . import prog
 from .allocators import parse_names
@@ -56,10 +57,6 @@ ALLOCATORS = (*GPU_ALLOCATORS, "host")
 
 
 # -- the table -------------------------------------------------------------------------------------------
-def _mib(v) -> str:
-    return "-" if v is None else f"{v / MiB:,.0f}"
-
-
 def render_table(results: list[dict], plan: Plan, trace: TraceFile, budget: int, budget_why: str,
                  width: int = 150) -> str:
     import io

@@ -10,15 +10,11 @@ import argparse
 import json
 
 from alloc.errors import ConfigError
-from alloc.units import MiB
+from alloc.units import fmt_mib_text as mib
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def mib(n: int) -> str:
-    return f"{n / MiB:,.1f} MiB"
 
 
 def check_int(name: str, value: object, minimum: int, accepted: str) -> None:

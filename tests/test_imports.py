@@ -4,10 +4,13 @@ anywhere, and what a worker or a reader of saved files imports needs no more tha
 read with neither."""
 
 import ast
+import os
 import json
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("alloc", "arena_tools", "indexer", "tp")
@@ -132,3 +135,12 @@ def test_the_tests_import_this_trees_packages():
         assert module.__file__ is not None, f"{module.__name__} is a namespace package: {module.__path__}"
         assert pathlib.Path(module.__file__).resolve() == ROOT / module.__name__ / "__init__.py", module.__file__
     assert support.ROOT == ROOT
+
+
+@pytest.mark.parametrize("value, says", [("bogus", "INDEXER_ARENA_CORE='bogus' is not a build of the C core"),
+                                         ("x" * 5000, "(5000 characters) is not a build")])
+def test_an_unknown_core_build_is_refused_in_one_bounded_line(value, says):
+    done = subprocess.run([sys.executable, "-c", "import alloc._lib"], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "INDEXER_ARENA_CORE": value}, timeout=300)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode != 0 and "InstallError" in last and says in last and len(last) < 400, last

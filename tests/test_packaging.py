@@ -42,6 +42,7 @@ def run_installed(installed, *args):
     tmp, site = installed
     env = {**os.environ, "PYTHONPATH": str(site), "INDEXER_ARENA_CACHE": str(tmp / "cache")}
     env.pop("INDEXER_ARENA_CONF", None)
+    env.pop("INDEXER_ARENA_CORE", None)  # a user's install: the production core
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp, env=env, timeout=600)
 
 
@@ -93,7 +94,7 @@ def _link_distributions(names: set[str], folder: pathlib.Path) -> None:
 
 def _fresh_env(**extra) -> dict:
     """The environment a fresh venv's commands see: nothing of this checkout (no PYTHONPATH)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INDEXER_ARENA_CONF")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "INDEXER_ARENA_CONF", "INDEXER_ARENA_CORE")}
     return {**env, **extra}
 
 

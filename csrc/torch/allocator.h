@@ -196,7 +196,7 @@ typedef void (*ia_segment_fn)(void *ctx, const ia_segment_info_t *segment, const
                               size_t n_blocks);
 void ia_plugin_segments(int device, ia_segment_fn fn, void *ctx);
 
-/* What the process-scope allocator (csrc/torch_allocator.cpp, built against the installed torch)
+/* What the process-scope allocator (csrc/torch/torch_allocator.cpp, built against the installed torch)
  * calls. A failed allocation never returns: it raises through raise_oom. Streams are
  * cudaStream_t. graph_pool NULL: an eager allocation. A free finds its arena by address. */
 void *ia_torch_alloc(size_t size, int device, void *stream, const ia_pool_id_t *graph_pool);

@@ -358,7 +358,7 @@ def test_pytorch_snapshot_without_our_keys(tmp_path):
 
 
 def test_trace_ring_events_are_what_the_arena_did():
-    """The recording itself (csrc/trace.c): the regions held when the trace was attached, sizes as
+    """The recording itself (csrc/arena/trace.c): the regions held when the trace was attached, sizes as
     asked for, on free too (as PyTorch's trace), not the rounded block's."""
     from alloc import STREAM_NONE, Arena
     t = Trace(16)

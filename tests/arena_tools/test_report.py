@@ -24,7 +24,7 @@ def rec():
 
 
 def c_report_text(rep: dict) -> str:
-    """The report as csrc/plugin_oom.c's ia_plugin_write_report prints it (fprintf, "%.6f" doubles)."""
+    """The report as csrc/torch/plugin_oom.c's ia_plugin_write_report prints it (fprintf, "%.6f" doubles)."""
     def stats(s):
         return ", ".join(f'"{k}": {s[k]:.6f}' if isinstance(s[k], float) else f'"{k}": {s[k]}'
                          for k in STAT_NAMES)

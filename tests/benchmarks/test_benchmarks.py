@@ -267,3 +267,26 @@ def test_bench_torch_alloc_sign_test_is_a_tie_seen_from_either_side(data):
     behind = data.draw(st.integers(1, rounds))
     assert (bench_torch_alloc.behind_by_chance(behind, rounds)
             + bench_torch_alloc.behind_by_chance(rounds - behind + 1, rounds)) == pytest.approx(1.0)
+
+
+def test_the_results_table_names_machine_commit_and_command_on_every_claim():
+    """benchmarks/RESULTS.md: a user reads it in minutes (at most 300 lines), and every row of a
+    claims table has its figure, machine, commit and a command that reproduces it."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert len(text.splitlines()) <= 300
+    rows, in_claims = [], False
+    for line in text.splitlines():
+        if line.startswith("| claim"):
+            in_claims = True
+            assert line.count("|") == 6, line
+        elif not line.startswith("|"):
+            in_claims = False
+        elif in_claims and not line.startswith("|---"):
+            rows.append(line)
+    assert len(rows) > 40
+    for row in rows:
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        claim, figure, machine, commit, command = cells[0], cells[1], cells[-3], cells[-2], cells[-1]
+        assert claim and figure and machine, row
+        assert any(c.isdigit() for c in commit), row
+        assert command.count("`") >= 2, row

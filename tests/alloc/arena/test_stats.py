@@ -1,6 +1,6 @@
 """The statistics' quantities, each a quadruple (current, peak, allocated, freed), after a scripted
 sequence on the host backend: exact values, step by step, with PyTorch's meaning of each
-(csrc/arena.h, IA_STAT_QUADS). The GPU comparison with PyTorch's own allocator is
+(csrc/arena/arena.h, IA_STAT_QUADS). The GPU comparison with PyTorch's own allocator is
 tests/test_stats_gpu.py."""
 import pytest
 

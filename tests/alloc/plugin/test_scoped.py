@@ -267,7 +267,7 @@ print(json.dumps({{"theirs": theirs.sum().item(), "ours": ours.sum().item(),
                   "theirs_in_arena": alloc.device_arena(0, "workspace").owns(theirs.data_ptr())}}))
 """)
     # Both scopes take a MemPool with an allocator of its own (vLLM's sleep mode): the process
-    # scope's pool arenas reserve from that allocator (csrc/backend_pool.c, docs/python-api.md).
+    # scope's pool arenas reserve from that allocator (csrc/torch/backend_pool.c, docs/python-api.md).
     assert out == {"theirs": 2 << 20, "ours": 3 << 20, "ours_in_arena": True, "theirs_in_arena": False}
 
 

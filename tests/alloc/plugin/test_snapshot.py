@@ -1,5 +1,5 @@
 """What PyTorch's memory tools read from the core, on the host backend: the device's segments
-(csrc/plugin_segments.c), the trace sink that memory history listens to (csrc/trace.c,
+(csrc/torch/plugin_segments.c), the trace sink that memory history listens to (csrc/arena/trace.c,
 ia_plugin_trace_sink), and the accumulated counters PyTorch resets. Each test runs in a fresh
 interpreter, since the plugin is configured once per process."""
 
@@ -313,7 +313,7 @@ program()
 
 def test_a_view_of_the_workspace_arena_taken_before_a_release_stays_valid():
     # Issue 47: the view read freed memory after release() (its check() found a corrupt bitmap).
-    # The device's arenas live as long as the process (Note [Device lifetime], csrc/plugin.h): the
+    # The device's arenas live as long as the process (Note [Device lifetime], csrc/torch/plugin.h): the
     # view shows an arena that holds nothing until the next reservation, then the same arena again.
     run("""
 import alloc.plugin as plugin

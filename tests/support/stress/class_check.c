@@ -1,4 +1,4 @@
-/* The size classes (_ia_class_of, csrc/internal.h) against their definition: the first level's
+/* The size classes (_ia_class_of, csrc/arena/internal.h) against their definition: the first level's
  * classes are IA_ALIGN bytes wide below 2^IA_FL_SHIFT; above, level fl holds [2^(fl+IA_FL_SHIFT-1),
  * 2^(fl+IA_FL_SHIFT)) cut into IA_SL_COUNT classes of equal width. Every size up to 2^24 and random
  * sizes of every magnitude up to 2^64 - 1 must land in the class whose range holds them.

@@ -1,4 +1,4 @@
-/* The region registry (csrc/registry.c) against a brute-force model: random sets of regions, some
+/* The region registry (csrc/torch/registry.c) against a brute-force model: random sets of regions, some
  * nested inside others as a graph's workspace arena carves them out of the device's workspace
  * region, added and removed in random order; after every change, lookups at every region's
  * edges and at random addresses must answer the innermost region holding the address (the one
