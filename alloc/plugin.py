@@ -158,7 +158,7 @@ class _WorkspaceScope(_CoreScope):
             with torch.cuda.device(index), torch.cuda.use_mem_pool(pool, index):
                 torch.empty(segment, dtype=torch.uint8, device=index)  # freed at once; kept cached
             # One block of one reservation: the arena outlives a release (Note [Device lifetime],
-            # csrc/plugin.h), so its cumulative counters count earlier reservations too.
+            # csrc/torch/plugin.h), so its cumulative counters count earlier reservations too.
             held = device_arena(index, "workspace").stats()
             if held["in_use"] != segment or held["blocks"] != 1 or held["regions"] != 1:
                 raise InstallError(
@@ -463,7 +463,8 @@ def _pool_stats(device: int) -> dict[str, dict]:
     return out
 
 
-#: PyTorch's kinds, as torch.cuda.memory_stats() names them, in ia_torch_stats_t's order (IA_KIND_*).
+#: PyTorch's kinds, as torch.cuda.memory_stats() names them, in ia_torch_stats_t's order (PyTorch's
+#: StatType: IA_STAT_ALL, then IA_POOL_SMALL and IA_POOL_LARGE).
 TORCH_KINDS = ("all", "small_pool", "large_pool")
 _TORCH_FIELDS = ("current", "peak", "allocated", "freed")
 
