@@ -41,7 +41,7 @@ def in_workspace() -> bool:
 def device_arena(device: int, pool: str) -> Arena | None:
     """A read-only view of one of the device's arenas (None before the pool's first use). The view
     stays valid for the life of the process: a released workspace arena shows that it holds
-    nothing until it is reserved again (Note [Device lifetime], csrc/plugin.h)."""
+    nothing until it is reserved again (Note [Device lifetime], csrc/torch/plugin.h)."""
     handle = lib.ia_plugin_arena(device, POOLS.index(pool))
     if handle == ffi.NULL:
         return None
