@@ -144,9 +144,9 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
  *       The other backends (CUDA, mapping, guard, pool, carve-out) have no lock of their own: they
  *       are called under their arena's.
  *  6. Leaves, taking nothing: history.mu, the simulated capture's lock, the CUDA runtime's and
- *     driver's loader locks (backend_cuda.c, backend_vmm.c: under the plugin's lock at device
- *     creation, under the graph lock when a graph pool's arena gets its backend), and
- *     torch_allocator.cpp's profiled_mu (taken with no other lock held).
+ *     driver's loader locks (backend_cuda.c, backend_vmm.c: both under the plugin's lock as a
+ *     device is made, the runtime's under the graph lock too as a graph pool's arena gets its
+ *     backend), and torch_allocator.cpp's profiled_mu (taken with no other lock held).
  *
  * Files that take these locks point here rather than repeat the order. */
 
