@@ -463,7 +463,8 @@ def _pool_stats(device: int) -> dict[str, dict]:
     return out
 
 
-#: PyTorch's kinds, as torch.cuda.memory_stats() names them, in ia_torch_stats_t's order (IA_KIND_*).
+#: PyTorch's kinds, as torch.cuda.memory_stats() names them, in ia_torch_stats_t's order (PyTorch's
+#: StatType: IA_STAT_ALL, then IA_POOL_SMALL and IA_POOL_LARGE).
 TORCH_KINDS = ("all", "small_pool", "large_pool")
 _TORCH_FIELDS = ("current", "peak", "allocated", "freed")
 

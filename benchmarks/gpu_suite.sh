@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU-side in one call on a bare machine: install the carried wheels, build the C core
-# and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
+# (both builds) and the out-of-memory shim for this machine's Python and torch, then run the stages asked for,
 # writing logs and JSON to a work folder packed at the end into $OUT/results.tgz (default ./gpu-out):
 # one file, whatever the number of stages.
 #   benchmarks/gpu_suite.sh [setup] [tests-alloc] [tests-graphs] [tests-scoped] [tests-indexer] [alloc-bench] [alloc-memory] [decode-graphs] [indexer]
@@ -63,6 +63,8 @@ setup() {
     $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   fi
   $py alloc/_build.py > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  # the test build (csrc/testing/ built in), which the tests load: once here, not in each worker
+  $py -c "from tests.support.testing_core import ensure_built; ensure_built()" || exit 1
   $py -m alloc build-shim || exit 1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   $py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"

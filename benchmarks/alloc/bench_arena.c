@@ -17,7 +17,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "arena/arena.h"
+#include "indexer_arena.h"
 
 #define WINDOW 256
 

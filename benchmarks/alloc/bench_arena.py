@@ -45,13 +45,13 @@ def compiler() -> list[str]:
 
 
 def build(out: pathlib.Path) -> pathlib.Path:
-    """The C program built into ``out`` from the budget arena's sources (csrc/arena/) and
-    bench_arena.c."""
+    """The C program built into ``out`` from the production extension's sources (the arena, and
+    PyTorch's allocator for the general pools' row) and bench_arena.c."""
     from alloc import _build
     exe = out / "bench_arena"
     subprocess.run([*compiler(), "-O2", "-std=gnu11", "-pthread", f"-I{_build.CSRC}",
                     str(ROOT / "benchmarks" / "alloc" / "bench_arena.c"),
-                    *map(str, _build.sources(_build.ARENA)), "-ldl", "-o", str(exe)], check=True)
+                    *map(str, _build.sources(_build.PRODUCTION)), "-ldl", "-o", str(exe)], check=True)
     return exe
 
 

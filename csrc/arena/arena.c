@@ -27,9 +27,10 @@
  * Threads: one mutex per arena guards everything in it, taken once per public call, as PyTorch's
  * caching allocator takes one mutex per device. A serving worker allocates from Python threads
  * that hold the GIL, so its allocations rarely meet on the lock. Backend calls made while growing
- * or ordering streams happen under it; they never call back into the arena. An arena of a
- * device's group also takes the group's lock, inside its own, for the moment it updates the
- * device totals (arena_stats.c).
+ * or ordering streams happen under it; they never call back into the arena (a graph's carve-out
+ * backend calls into another, its parent). An arena of a device's group also takes the group's
+ * lock, inside its own, for the moment it updates the device totals (arena_stats.c). The lock
+ * order of the whole core: Note [Device lifetime], csrc/torch/plugin.h.
  *
  * Over a backend that maps pages, a growable arena's regions are the mapped stretches of one
  * address range instead of reservations (arena_mapped.c); nothing else changes.
@@ -124,8 +125,8 @@ block_t *_ia_find_free(ia_arena_t *a, size_t size) {
 /* ---- public operations ------------------------------------------------------------------------ */
 
 void ia_arena_default_options(ia_arena_options_t *o) {
-  *o = (ia_arena_options_t){.alignment = 256, .region_round = (size_t)2 << 20,
-                            .region_min = (size_t)2 << 20, .region_exact_above = SIZE_MAX};
+  *o = (ia_arena_options_t){.alignment = 256, .region_round = 2 * IA_MiB, .region_min = 2 * IA_MiB,
+                            .region_exact_above = SIZE_MAX};
 }
 
 ia_status_t ia_arena_create(const ia_arena_options_t *opts, ia_backend_t *backend, ia_arena_t **out) {

@@ -136,7 +136,7 @@ ia_status_t _ia_grow(ia_arena_t *a, size_t size) {
 }
 
 /* Sleep: the one reservation of a fixed arena goes back while nothing in it is live, and the arena
- * stays, with its statistics and history (Note [Device lifetime], plugin.h). In use or while a
+ * stays, with its statistics and history (why: Note [Device lifetime], csrc/torch/plugin.h). In use or while a
  * stream of the device captures, nothing changes and the answer is IA_ERR_INVALID_ARGUMENT. */
 ia_status_t ia_arena_sleep(ia_arena_t *a) {
   if (a->opts.growable) return IA_ERR_INVALID_ARGUMENT;

@@ -2,7 +2,8 @@
  *
  * The device totals (internal.h: ia_totals_t) are plain integers under the group's lock, which an
  * arena takes inside its own for each update; nothing is called under it, so it is never held
- * for more than a few additions. */
+ * for more than a few additions. (The lock order of the whole core: Note [Device lifetime],
+ * csrc/torch/plugin.h.) */
 #include <pthread.h>
 
 #include "private.h"

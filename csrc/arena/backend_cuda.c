@@ -64,6 +64,8 @@ static struct {
   void *handle;
 } rt;
 
+/* Guards loading the runtime; takes no other lock (the lock order of the whole core: Note [Device
+ * lifetime], csrc/torch/plugin.h). */
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 static __thread char last_error[512];
 

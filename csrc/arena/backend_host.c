@@ -75,6 +75,8 @@ typedef struct host_range {
 
 typedef struct {
   ia_backend_t base;
+  /* Guards the fields below; taken under the arena's lock, and takes the simulated capture's (the
+   * lock order of the whole core: Note [Device lifetime], csrc/torch/plugin.h). */
   pthread_mutex_t lock;
   size_t limit, reserved; /* reserved: ordinary reservations and mapped pages */
   bool auto_complete;

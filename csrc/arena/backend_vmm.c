@@ -81,6 +81,8 @@ static struct {
   void *handle;
 } drv;
 
+/* Guards loading the driver; takes no other lock (the lock order of the whole core: Note [Device
+ * lifetime], csrc/torch/plugin.h). */
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static ia_status_t driver_fail(CUresult err, const char *what, int device) {

@@ -24,6 +24,8 @@
   } while (0)
 __attribute__((noreturn)) void _ia_assert_fail(const char *cond, const char *file, int line);
 
+#define IA_MiB ((size_t)1 << 20)
+
 static inline size_t _ia_align_up(size_t n, size_t a) { return (n + a - 1) & ~(a - 1); }
 static inline bool _ia_is_pow2(size_t n) { return n && !(n & (n - 1)); }
 

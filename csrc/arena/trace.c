@@ -1,7 +1,9 @@
 /* Allocation trace: a fixed ring of events. Memory is bounded by the capacity chosen at creation;
  * a full ring overwrites its oldest entry, and `dropped` counts what was lost that way.
  * Every field is read and written under the lock once the trace is made (capacity too, which a
- * resize changes), which orders them on a weakly ordered CPU as on any other. */
+ * resize changes), which orders them on a weakly ordered CPU as on any other. The sink runs under
+ * it, and under the recording arena's lock (the lock order of the whole core: Note [Device
+ * lifetime], csrc/torch/plugin.h). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>

@@ -26,7 +26,7 @@ typedef struct host_node {
 #define MAX_CAPTURING 64
 #define MAX_FRONTIER 64
 static struct {
-  pthread_mutex_t lock;
+  pthread_mutex_t lock; /* innermost: takes no other (Note [Device lifetime], csrc/torch/plugin.h) */
   struct {
     ia_stream_t stream;
     uint64_t id;

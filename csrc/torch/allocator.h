@@ -9,12 +9,19 @@
 #include "../arena/arena.h"
 #endif
 
+/* The kinds of arena: a device's pools, and a CUDA graph pool's arenas of each kind (the workspace
+ * kind of a graph pool: its carve-outs of the device's workspace arena). */
+enum { IA_POOL_WORKSPACE = 0, IA_POOL_SMALL = 1, IA_POOL_LARGE = 2, IA_POOL_COUNT = 3 };
+
 /* A device's statistics in PyTorch's shape, what torch.cuda.memory_stats() reports in process
- * scope: one ia_stat_t per family and kind (IA_KIND_ALL: every arena of the device, graph pools
- * included; SMALL and LARGE: the general small or large pool with the graph pools' arenas of that
- * kind), the field named for PyTorch's family (IA_STAT_QUADS says which arena quantity it is). */
-enum { IA_KIND_ALL = 0, IA_KIND_SMALL = 1, IA_KIND_LARGE = 2, IA_KIND_COUNT = 3 };
-#define IA_TORCH_DECLARE(name, torch, doc) ia_stat_t torch[IA_KIND_COUNT];
+ * scope: one ia_stat_t per family and kind, the field named for PyTorch's family (IA_STAT_QUADS
+ * says which arena quantity it is). The index is PyTorch's StatType: IA_STAT_ALL (its AGGREGATE,
+ * 0) counts every arena of the device, graph pools included; IA_POOL_SMALL and IA_POOL_LARGE (its
+ * SMALL_POOL, 1, and LARGE_POOL, 2) the general small or large pool with the graph pools' arenas
+ * of that kind. The workspace pool has no entry of its own (PyTorch has no such StatType): it
+ * counts in the aggregate alone, whose index 0 IA_POOL_WORKSPACE shares. */
+enum { IA_STAT_ALL = 0, IA_STAT_KINDS = 3 };
+#define IA_TORCH_DECLARE(name, torch, doc) ia_stat_t torch[IA_STAT_KINDS];
 typedef struct ia_torch_stats {
   IA_STAT_QUADS(IA_TORCH_DECLARE)
   int64_t num_alloc_retries; /* growths that released cached memory and asked again */
@@ -27,10 +34,15 @@ typedef struct ia_torch_stats {
 /* ------------------------------------------------------------------------------------------------
  * The PyTorch plugin: per-device arenas behind CUDAPluggableAllocator's entry points.
  * ---------------------------------------------------------------------------------------------- */
-enum { IA_POOL_WORKSPACE = 0, IA_POOL_SMALL = 1, IA_POOL_LARGE = 2, IA_POOL_COUNT = 3 };
-/* The plugin's trace tags a graph pool's arena IA_TRACE_POOL_GRAPH + 0 (small), + 1 (large) or
- * + 2 (its workspace carve-outs). */
-enum { IA_TRACE_POOL_GRAPH = IA_POOL_COUNT };
+/* The pool an arena's trace events carry (ia_trace_event_t.pool; ia_segment_info_t.pool too): a
+ * device's own arena its IA_POOL_*, a graph pool's arena IA_TRACE_POOL_GRAPH or above by its kind.
+ * Trace files and reports keep these numbers, so they stay as they are whatever the kinds' order. */
+enum {
+  IA_TRACE_POOL_GRAPH = 3, /* the first graph pool's tag: every tag from here on is a graph pool's */
+  IA_TRACE_POOL_GRAPH_SMALL = 3,
+  IA_TRACE_POOL_GRAPH_LARGE = 4,
+  IA_TRACE_POOL_GRAPH_WORKSPACE = 5, /* its workspace carve-outs */
+};
 /* Devices the plugin serves: indices 0 to IA_MAX_DEVICES - 1 (arena.h). General requests of up to
  * IA_SMALL_REQUEST bytes go to the small pool, larger ones to the large pool. */
 enum { IA_SMALL_REQUEST = 1 << 20 };
@@ -186,7 +198,7 @@ typedef struct ia_segment_info {
   uintptr_t address;
   uint64_t size;
   ia_stream_t stream;  /* its first block's */
-  int32_t pool;        /* IA_POOL_*, or IA_TRACE_POOL_GRAPH + 0 (small) or + 1 (large) */
+  int32_t pool;        /* IA_POOL_*, or IA_TRACE_POOL_GRAPH_SMALL or _LARGE (trace tags, above) */
   bool expandable;     /* a mapped stretch of a page-mapping pool */
   ia_pool_id_t graph_pool; /* a graph pool's id, else 0, 0 */
 } ia_segment_info_t;

@@ -10,15 +10,17 @@
  * the reuse after the uses. Only a pool's block: its arena serves that one stream, where an eager
  * arena would hand the block to any stream, which the graph does not order.
  *
- * Locking: one mutex per device guards its held frees and what the walks of its captures' graphs
- * found; the capture graph is read under it, arenas are called outside it.
+ * Locking: the device's held-frees lock (its record's held.lock) guards its held frees and what
+ * the walks of its captures' graphs found; the capture graph is read under it, arenas are called
+ * outside it, and the graph lock is never taken under it nor it under the graph lock. The lock
+ * order: Note [Device lifetime] (csrc/torch/plugin.h).
  */
 #include <pthread.h>
 #include <stdlib.h>
 
 #include "plugin.h"
 
-typedef struct {
+typedef struct _ia_held_free {
   ia_arena_t *arena;
   const _ia_owner_t *owner;
   void *ptr;
@@ -36,7 +38,7 @@ typedef struct {
 
 /* The nodes found to precede a capturing stream's next work so far. They only grow while the
  * capture lasts (a stream's new work follows its earlier work), so each walk stops at nodes seen. */
-typedef struct {
+typedef struct _ia_reach {
   uint64_t capture;
   ia_stream_t stream;
   node_set_t ancestors;
@@ -44,19 +46,15 @@ typedef struct {
 
 static _Atomic bool record_stream_reuse;
 
-static struct held_frees {
-  pthread_mutex_t lock;
-  held_free_t *held;
-  size_t n_held, cap_held;
-  reach_t *reach; /* until the device's captures end */
-  size_t n_reach, cap_reach;
-} frees[IA_MAX_DEVICES] = {[0 ... IA_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
+typedef _ia_device_held_t held_frees_t;
 
-static struct held_frees *held_of(int device) {
-  return device >= 0 && device < IA_MAX_DEVICES ? &frees[device] : NULL;
+/* The device's held frees (plugin.h); NULL for a device outside 0 to IA_MAX_DEVICES - 1. */
+static held_frees_t *held_of(int device) {
+  _ia_device_t *dev = _ia_device(device);
+  return dev ? &dev->held : NULL;
 }
 
-static void forget_reach(struct held_frees *f) {
+static void forget_reach(held_frees_t *f) {
   for (size_t i = 0; i < f->n_reach; i++) free(f->reach[i].ancestors.slots);
   free(f->reach);
   f->reach = NULL;
@@ -64,8 +62,8 @@ static void forget_reach(struct held_frees *f) {
 }
 
 void _ia_graph_run_held(int device) {
-  struct held_frees *f = held_of(device);
-  ia_totals_t *t = _ia_plugin_totals(device);
+  held_frees_t *f = held_of(device);
+  ia_totals_t *t = &_ia_device(device)->totals;
   for (;;) {
     pthread_mutex_lock(&f->lock);
     held_free_t h = {0};
@@ -167,7 +165,7 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   ia_stream_t stream, uses[MAX_USES];
   uint32_t others;
   if (!_ia_arena_live_block(arena, ptr, &stream, uses, MAX_USES, &others)) return false; /* the free reports it */
-  struct held_frees *f = held_of(device);
+  held_frees_t *f = held_of(device);
   if (owner->graph_pool) _ia_graph_keep(device, owner->graph_pool);
   /* A pool's arena serves its own stream only, so a block freed on it needs no event; an eager
    * arena's block of a capturing stream would. Other streams recorded on a block always do. */
@@ -175,7 +173,7 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
   held_free_t h = {arena, owner, ptr, stream};
   if (owner->graph_pool && others <= MAX_USES && atomic_load(&record_stream_reuse)) mark(&h, uses, others);
   pthread_mutex_lock(&f->lock);
-  bool held = atomic_load(&_ia_plugin_totals(device)->captures) > 0;
+  bool held = atomic_load(&_ia_device(device)->totals.captures) > 0;
   if (held && f->n_held == f->cap_held) {
     size_t cap = f->cap_held ? f->cap_held * 2 : 64;
     held_free_t *grown = realloc(f->held, cap * sizeof *grown);
@@ -192,8 +190,8 @@ bool _ia_graph_defer_free(int device, ia_arena_t *arena, const _ia_owner_t *owne
 }
 
 /* The ancestors of `stream`'s frontier in its capture (*capture), grown from what earlier walks
- * found; NULL when the stream captures nothing or host memory ran out. Under the device's lock. */
-static const node_set_t *ancestors(struct held_frees *f, ia_arena_t *arena, ia_stream_t stream, uint64_t *capture) {
+ * found; NULL when the stream captures nothing or host memory ran out. Under the held-frees lock. */
+static const node_set_t *ancestors(held_frees_t *f, ia_arena_t *arena, ia_stream_t stream, uint64_t *capture) {
   nodes_t todo = {0};
   *capture = 0;
   bool ok = append_nodes(&todo, arena, stream, NULL, capture) && *capture;
@@ -227,7 +225,7 @@ static const node_set_t *ancestors(struct held_frees *f, ia_arena_t *arena, ia_s
 }
 
 void _ia_graph_reclaim(int device, ia_stream_t stream) {
-  struct held_frees *f = held_of(device);
+  held_frees_t *f = held_of(device);
   if (!f || !atomic_load(&record_stream_reuse)) return;
   held_free_t *ready = NULL;
   size_t n_ready = 0;

@@ -16,9 +16,9 @@
  * of the pool whose regions are blocks of it: the graph keeps them for its lifetime and reuses them
  * for its later workspaces, and they go back to the workspace arena with the pool.
  *
- * Locking: one mutex per device guards its pools; arenas are called outside it
- * except when a pool is created or destroyed, or read for statistics. Which arena may go when,
- * and the lock order: Note [Device lifetime] (plugin.h).
+ * Locking: the device's graph lock (its record's graphs.lock) guards its pools; arenas are called
+ * outside it except when a pool is created or destroyed, or read for statistics. Which arena may
+ * go when, and the lock order: Note [Device lifetime] (csrc/torch/plugin.h).
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -29,7 +29,7 @@
 
 typedef struct {
   ia_stream_t stream;
-  ia_arena_t *arenas[GRAPH_KINDS];
+  ia_arena_t *arenas[IA_POOL_COUNT]; /* by kind, IA_POOL_* */
 } pool_stream_t;
 
 struct graph_pool {
@@ -52,27 +52,23 @@ struct graph_pool {
   graph_pool_t *next;
 };
 
-static struct device_graphs {
-  pthread_mutex_t lock;
-  graph_pool_t *pools;
-  /* What the small and large arenas of pools that went left behind: their sums, peaks and
-   * counters, nothing current (Note [Device lifetime], plugin.h). */
-  ia_stats_t retired[GRAPH_KINDS];
-} graphs[IA_MAX_DEVICES] = {[0 ... IA_MAX_DEVICES - 1] = {.lock = PTHREAD_MUTEX_INITIALIZER}};
+typedef _ia_device_graphs_t device_graphs_t;
 
-static struct device_graphs *graphs_of(int device) {
-  return device >= 0 && device < IA_MAX_DEVICES ? &graphs[device] : NULL;
+/* The device's graph pools (plugin.h); NULL for a device outside 0 to IA_MAX_DEVICES - 1. */
+static device_graphs_t *graphs_of(int device) {
+  _ia_device_t *dev = _ia_device(device);
+  return dev ? &dev->graphs : NULL;
 }
 
 static bool same_id(ia_pool_id_t a, ia_pool_id_t b) { return a.first == b.first && a.second == b.second; }
 
-static graph_pool_t *find_pool(struct device_graphs *g, ia_pool_id_t id) {
+static graph_pool_t *find_pool(device_graphs_t *g, ia_pool_id_t id) {
   for (graph_pool_t *p = g->pools; p; p = p->next)
     if (same_id(p->id, id)) return p;
   return NULL;
 }
 
-static graph_pool_t *find_or_create(struct device_graphs *g, int device, ia_pool_id_t id) {
+static graph_pool_t *find_or_create(device_graphs_t *g, int device, ia_pool_id_t id) {
   graph_pool_t *p = find_pool(g, id);
   if (p) return p;
   if (!(p = calloc(1, sizeof *p))) return NULL;
@@ -83,11 +79,17 @@ static graph_pool_t *find_or_create(struct device_graphs *g, int device, ia_pool
   return p;
 }
 
-/* The body runs once for every arena `a` of pool `p`, of kind `k` (one per stream and kind). */
+/* The order a stream's arenas are walked in, which listings and reports keep: small, large, then
+ * the workspace carve-outs. */
+static const int walk_order[IA_POOL_COUNT] = {IA_POOL_SMALL, IA_POOL_LARGE, IA_POOL_WORKSPACE};
+
+/* The body runs once for every arena `a` of pool `p`, of kind `k` (IA_POOL_*; one per stream and
+ * kind). */
 #define FOR_EACH_ARENA(p, k, a)                                                                    \
   for (size_t stream_ = 0; stream_ < (p)->n_streams; stream_++)                                    \
-    for (int k = 0; k < GRAPH_KINDS; k++)                                                          \
-      for (ia_arena_t *a = (p)->streams[stream_].arenas[k]; a; a = NULL)
+    for (int kind_ = 0; kind_ < IA_POOL_COUNT; kind_++)                                            \
+      for (int k = walk_order[kind_], once_ = 1; once_; once_ = 0)                                 \
+        for (ia_arena_t *a = (p)->streams[stream_].arenas[k]; a; a = NULL)
 
 static uint64_t pool_capacity(const graph_pool_t *p) {
   uint64_t total = 0;
@@ -108,22 +110,22 @@ static void drop_keeps(graph_pool_t *p) {
 }
 
 /* An arena of a pool that goes keeps its history in the device's statistics. A carve-out's bytes
- * are the workspace arena's, which keeps them. Under the device lock. */
-static void retire(struct device_graphs *g, int kind, ia_arena_t *a) {
-  if (kind == GRAPH_WORKSPACE) return;
+ * are the workspace arena's, which keeps them. Under the graph lock. */
+static void retire(device_graphs_t *g, int kind, ia_arena_t *a) {
+  if (kind == IA_POOL_WORKSPACE) return;
   ia_stats_t s;
   ia_arena_stats(a, &s);
   ia_assert(!s.capacity.current && !s.in_use.current); /* it holds nothing: its gauges are all 0 */
   _ia_stats_add(&g->retired[kind], &s);
 }
 
-/* A released pool gives back what it can; once it holds nothing, it goes. Under the device lock.
+/* A released pool gives back what it can; once it holds nothing, it goes. Under the graph lock.
  * Returns whether it dropped keeps, which may let other pools go too. */
-static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
+static bool trim_one(device_graphs_t *g, graph_pool_t *p) {
   if (p->use_count > 0 || p->allocating > 0) return false;
   bool dropped = p->n_keeps > 0;
   drop_keeps(p);
-  if (p->kept_by > 0 || atomic_load(&_ia_plugin_totals(p->owner.device)->captures) > 0) return dropped;
+  if (p->kept_by > 0 || atomic_load(&_ia_device(p->owner.device)->totals.captures) > 0) return dropped;
   FOR_EACH_ARENA(p, k, a) ia_arena_release_cached(a);
   if (pool_capacity(p)) return dropped;
   graph_pool_t **link = &g->pools;
@@ -140,7 +142,7 @@ static bool trim_one(struct device_graphs *g, graph_pool_t *p) {
 }
 
 /* Trims `p` (NULL: every pool), then every pool again for as long as a trim drops keeps. */
-static void trim_released(struct device_graphs *g, graph_pool_t *p) {
+static void trim_released(device_graphs_t *g, graph_pool_t *p) {
   bool again = p ? trim_one(g, p) : true;
   while (again) {
     again = false;
@@ -155,7 +157,7 @@ static void trim_released(struct device_graphs *g, graph_pool_t *p) {
  * in use): each of those pools keeps `owner` for as long as it lives, since what it captured may
  * use the freed block (a tensor rebound inside the capture). PyTorch's allocator keeps such memory
  * only until the next empty_cache(); after it, a replay would touch memory given back. */
-static void keep_for_allocating_pools(struct device_graphs *g, graph_pool_t *owner) {
+static void keep_for_allocating_pools(device_graphs_t *g, graph_pool_t *owner) {
   for (graph_pool_t *p = g->pools; p; p = p->next) {
     if (p == owner || p->allocating == 0) continue;
     bool kept = false;
@@ -174,15 +176,15 @@ static void keep_for_allocating_pools(struct device_graphs *g, graph_pool_t *own
 }
 
 void _ia_graph_keep(int device, graph_pool_t *owner) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   pthread_mutex_lock(&g->lock);
   keep_for_allocating_pools(g, owner);
   pthread_mutex_unlock(&g->lock);
 }
 
 static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int use_delta, bool create) {
-  struct device_graphs *g = graphs_of(device);
-  if (!g || !_ia_plugin_totals(device)) return IA_ERR_INVALID_ARGUMENT;
+  device_graphs_t *g = graphs_of(device);
+  if (!g) return IA_ERR_INVALID_ARGUMENT;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = create ? find_or_create(g, device, id) : find_pool(g, id);
   ia_status_t st = IA_OK;
@@ -198,11 +200,11 @@ static ia_status_t pool_call(int device, ia_pool_id_t id, int begin_delta, int u
 }
 
 ia_status_t ia_graph_begin(int device, ia_pool_id_t id) {
-  ia_totals_t *t = _ia_plugin_totals(device);
-  if (!t) return IA_ERR_INVALID_ARGUMENT;
+  _ia_device_t *dev = _ia_device(device);
+  if (!dev) return IA_ERR_INVALID_ARGUMENT;
   ia_status_t st = pool_call(device, id, 1, 1, true);
   if (st != IA_OK) return st;
-  atomic_fetch_add(&t->captures, 1);
+  atomic_fetch_add(&dev->totals.captures, 1);
   /* PyTorch begins allocating to the pool before the capture starts. From the count on, no arena of
    * the device gives memory back; a release that looked before it may still be unmapping under its
    * arena's lock, and recording the pending frees' events takes every arena's lock once, which waits
@@ -216,8 +218,7 @@ ia_status_t ia_graph_begin(int device, ia_pool_id_t id) {
 ia_status_t ia_graph_end(int device, ia_pool_id_t id) {
   ia_status_t st = pool_call(device, id, -1, 0, false);
   if (st != IA_OK) return st;
-  ia_totals_t *t = _ia_plugin_totals(device);
-  if (atomic_fetch_sub(&t->captures, 1) != 1) return IA_OK;
+  if (atomic_fetch_sub(&_ia_device(device)->totals.captures, 1) != 1) return IA_OK;
   /* The last capture of the device ended: the held frees run, released pools give back. */
   _ia_graph_run_held(device);
   _ia_graph_flush_arenas(device);
@@ -228,7 +229,7 @@ ia_status_t ia_graph_incref(int device, ia_pool_id_t id) { return pool_call(devi
 ia_status_t ia_graph_release(int device, ia_pool_id_t id) { return pool_call(device, id, 0, -1, false); }
 
 int ia_graph_use_count(int device, ia_pool_id_t id) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g) return 0;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
@@ -240,8 +241,8 @@ int ia_graph_use_count(int device, ia_pool_id_t id) {
 /* Sets what `set` does to the pool (made if new); with before_use, only before it has allocated. */
 static ia_status_t configure(int device, ia_pool_id_t id, void (*set)(graph_pool_t *p, const void *arg),
                              const void *arg, bool before_use) {
-  struct device_graphs *g = graphs_of(device);
-  if (!g || !_ia_plugin_totals(device)) return IA_ERR_INVALID_ARGUMENT;
+  device_graphs_t *g = graphs_of(device);
+  if (!g) return IA_ERR_INVALID_ARGUMENT;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_or_create(g, device, id);
   ia_status_t st = !p ? IA_ERR_NO_HOST_MEMORY : before_use && p->n_streams ? IA_ERR_INVALID_ARGUMENT : IA_OK;
@@ -275,7 +276,7 @@ const ia_pool_allocator_t *_ia_graph_pool_options(const graph_pool_t *p, bool *n
 }
 
 void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int kind) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   void *out = NULL;
   if (!g) return NULL;
   pthread_mutex_lock(&g->lock);
@@ -291,12 +292,12 @@ void *_ia_graph_alloc_on_oom(int device, size_t size, ia_stream_t stream, int ki
 
 /* Streams of the device capturing now, over all pools. */
 static int captures(int device) {
-  ia_totals_t *t = _ia_plugin_totals(device);
-  return t ? atomic_load(&t->captures) : 0;
+  _ia_device_t *dev = _ia_device(device);
+  return dev ? atomic_load(&dev->totals.captures) : 0;
 }
 
 void ia_graph_empty_cache(int device, ia_pool_id_t id) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g || captures(device) > 0) return;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
@@ -306,7 +307,7 @@ void ia_graph_empty_cache(int device, ia_pool_id_t id) {
 }
 
 ia_arena_t *_ia_graph_arena(int device, ia_pool_id_t id, int kind, ia_stream_t stream, ia_status_t *st) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   ia_arena_t *arena = NULL;
   *st = IA_ERR_INVALID_ARGUMENT;
   if (!g) return NULL;
@@ -348,7 +349,7 @@ void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr) {
   /* A destructor cannot throw; a bad free here is PyTorch's bookkeeping gone wrong, so say so. */
   if (st != IA_OK) fprintf(stderr, "indexer-arena: free(%p) refused: %s\n", ptr, ia_status_str(st));
   if (st != IA_OK || !pool) return;
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   pthread_mutex_lock(&g->lock);
   /* Another thread's free may have emptied the pool and removed it since this block's free, so
    * the pool is compared, not followed, until found among the device's pools. */
@@ -359,7 +360,7 @@ void _ia_free_owned(ia_arena_t *arena, const _ia_owner_t *owner, void *ptr) {
 }
 
 void _ia_graph_flush_arenas(int device) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
   trim_released(g, NULL);
@@ -369,7 +370,7 @@ void _ia_graph_flush_arenas(int device) {
 /* ---- what the pool holds ---------------------------------------------------------------------- */
 
 size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t cap) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g) return 0;
   size_t n = 0;
   pthread_mutex_lock(&g->lock);
@@ -384,7 +385,7 @@ size_t ia_graph_blocks(int device, ia_pool_id_t id, ia_block_info_t *out, size_t
 }
 
 ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t *blocks, size_t n) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g || captures(device) > 0) return IA_ERR_INVALID_ARGUMENT;
   pthread_mutex_lock(&g->lock);
   graph_pool_t *p = find_pool(g, id);
@@ -417,7 +418,7 @@ ia_status_t ia_graph_restore(int device, ia_pool_id_t id, const ia_block_info_t 
 }
 
 size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g) return 0;
   size_t n = 0;
   pthread_mutex_lock(&g->lock);
@@ -430,7 +431,7 @@ size_t ia_graph_pools(int device, ia_graph_pool_info_t *out, size_t cap) {
       ia_arena_stats(a, &s);
       info.capacity += (uint64_t)s.capacity.current;
       info.in_use += (uint64_t)s.in_use.current;
-      if (k == GRAPH_WORKSPACE) info.workspace += (uint64_t)s.capacity.current;
+      if (k == IA_POOL_WORKSPACE) info.workspace += (uint64_t)s.capacity.current;
     }
     out[n] = info;
   }
@@ -449,6 +450,8 @@ typedef struct {
 
 static carve_backend_t *carve(ia_backend_t *b) { return (carve_backend_t *)b; }
 
+/* Under the carve-out arena's lock (the graph lock when it is destroyed), these take the workspace
+ * arena's: the one arena lock taken under another (Note [Device lifetime], csrc/torch/plugin.h). */
 static ia_status_t carve_reserve(ia_backend_t *self, size_t size, void **out) {
   ia_status_t st = ia_arena_alloc(carve(self)->parent, size, carve(self)->stream, out);
   return st == IA_ERR_OUT_OF_MEMORY ? IA_ERR_BACKEND_OUT_OF_MEMORY : st;
@@ -491,7 +494,7 @@ ia_status_t _ia_carve_backend_create(ia_arena_t *parent, ia_stream_t stream, ia_
 
 void _ia_graph_each_arena(int device, void (*fn)(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena),
                           void *ctx) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
   for (graph_pool_t *p = g->pools; p; p = p->next) FOR_EACH_ARENA(p, k, a) fn(ctx, p->id, k, a);
@@ -505,32 +508,32 @@ static void flush_one(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *arena) {
 
 void _ia_graph_pools_flush_events(int device) { _ia_graph_each_arena(device, flush_one, NULL); }
 
-/* Adds what an arena of a graph pool of `kind` counts to the device's kinds, as sum_device
- * (plugin.c) does for the general pools. */
-static void add_kind(ia_stats_t *kinds, int count, int kind, const ia_stats_t *s) {
-  _ia_stats_add(&kinds[IA_KIND_ALL], s);
-  if (count == IA_KIND_COUNT) _ia_stats_add(&kinds[kind == GRAPH_SMALL ? IA_KIND_SMALL : IA_KIND_LARGE], s);
+/* Adds what an arena of a graph pool of `kind` (small or large) counts to the device's
+ * statistics, as sum_device (plugin.c) does for the general pools. */
+static void add_kind(ia_stats_t *stats, int count, int kind, const ia_stats_t *s) {
+  _ia_stats_add(&stats[IA_STAT_ALL], s);
+  if (count == IA_STAT_KINDS) _ia_stats_add(&stats[kind], s);
 }
 
-void _ia_graph_add_stats(int device, ia_stats_t *kinds, int count) {
-  struct device_graphs *g = graphs_of(device);
+void _ia_graph_add_stats(int device, ia_stats_t *stats, int count) {
+  device_graphs_t *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
-  for (int k = GRAPH_SMALL; k <= GRAPH_LARGE; k++) add_kind(kinds, count, k, &g->retired[k]);
+  for (int k = IA_POOL_SMALL; k <= IA_POOL_LARGE; k++) add_kind(stats, count, k, &g->retired[k]);
   for (graph_pool_t *p = g->pools; p; p = p->next) FOR_EACH_ARENA(p, k, a) {
-    if (k == GRAPH_WORKSPACE) continue; /* its bytes are the workspace arena's */
+    if (k == IA_POOL_WORKSPACE) continue; /* its bytes are the workspace arena's */
     ia_stats_t s;
     ia_arena_stats(a, &s);
-    add_kind(kinds, count, k, &s);
+    add_kind(stats, count, k, &s);
   }
   pthread_mutex_unlock(&g->lock);
 }
 
 void _ia_graph_reset_peaks(int device) {
-  struct device_graphs *g = graphs_of(device);
+  device_graphs_t *g = graphs_of(device);
   if (!g) return;
   pthread_mutex_lock(&g->lock);
-  for (int k = 0; k < GRAPH_KINDS; k++) {
+  for (int k = 0; k < IA_POOL_COUNT; k++) {
 #define RESET(name, torch, doc) g->retired[k].name.peak = 0; /* nothing of them is current */
     IA_STAT_QUADS(RESET)
 #undef RESET

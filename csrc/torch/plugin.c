@@ -26,7 +26,7 @@
  * hook, which throws c10::OutOfMemoryError from C++ (the core is built with -fexceptions so the
  * throw can unwind through it; no lock is held at that point). Without a hook it aborts.
  *
- * Lifetimes and lock order: Note [Device lifetime] (plugin.h).
+ * Lifetimes and lock order: Note [Device lifetime] (csrc/torch/plugin.h).
  *
  * This file: configuration, devices and their pools, device-wide statistics. plugin_entry.c: the
  * entry points and routing. plugin_oom.c: out-of-memory messages and the JSON report.
@@ -40,15 +40,17 @@
 
 #include "plugin.h"
 
-#define MiB ((size_t)1 << 20)
 /* PyTorch's caching allocator: a small-block segment (kSmallBuffer) and the smallest large one
  * (kLargeBuffer); large segments grow in 2 MiB steps (kRoundLarge). */
-#define TORCH_SMALL_SEGMENT (2 * MiB)
-#define TORCH_MIN_LARGE_SEGMENT (20 * MiB)
-#define TORCH_SEGMENT_ROUND (2 * MiB)
+#define TORCH_SMALL_SEGMENT (2 * IA_MiB)
+#define TORCH_MIN_LARGE_SEGMENT (20 * IA_MiB)
+#define TORCH_SEGMENT_ROUND (2 * IA_MiB)
 _ia_plugin_t _ia_plugin = {
     .lock = PTHREAD_MUTEX_INITIALIZER,
-    .devices = {[0 ... IA_MAX_DEVICES - 1] = {.totals = {.lock = PTHREAD_MUTEX_INITIALIZER}}},
+    /* Every device's record, its locks ready before any thread runs (Note [Device lifetime]). */
+    .devices = {[0 ... IA_MAX_DEVICES - 1] = {.totals = {.lock = PTHREAD_MUTEX_INITIALIZER},
+                                              .graphs = {.lock = PTHREAD_MUTEX_INITIALIZER},
+                                              .held = {.lock = PTHREAD_MUTEX_INITIALIZER}}},
 };
 __thread char _ia_failure[1024];
 
@@ -80,7 +82,7 @@ ia_status_t ia_plugin_configure(const ia_plugin_config_t *config) {
 }
 
 static ia_status_t make_backend(int device, bool unified, bool mapped, ia_backend_t **out) {
-  size_t page = _ia_plugin.config.host_page_size ? _ia_plugin.config.host_page_size : 2 * MiB;
+  size_t page = _ia_plugin.config.host_page_size ? _ia_plugin.config.host_page_size : 2 * IA_MiB;
   const char *cudart = _ia_plugin.config.cudart_path;
   ia_status_t st = _ia_plugin.config.host_memory ? (mapped ? ia_host_mapping_backend_create(0, page, out)
                                                        : ia_host_backend_create(0, out))
@@ -111,9 +113,9 @@ ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
   } else {
     o->growable = true;
     o->alignment = 512;
-    o->region_round = 2 * MiB;
-    o->region_min = pool == IA_POOL_SMALL ? 2 * MiB : 20 * MiB;
-    o->region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * MiB;
+    o->region_round = 2 * IA_MiB;
+    o->region_min = pool == IA_POOL_SMALL ? 2 * IA_MiB : 20 * IA_MiB;
+    o->region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * IA_MiB;
   }
   return IA_OK;
 }
@@ -121,12 +123,12 @@ ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
 static ia_trace_t *recording(ia_trace_t *t) { return t && ia_trace_recording(t) ? t : NULL; }
 
 static ia_status_t make_arena(int device, bool unified, int pool, ia_arena_t **out) {
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
-  ia_totals_t *totals = &slot->totals;
-  bool mapped = pool != IA_POOL_WORKSPACE && slot->expandable;
+  _ia_device_t *dev = &_ia_plugin.devices[device];
+  ia_totals_t *totals = &dev->totals;
+  bool mapped = pool != IA_POOL_WORKSPACE && dev->expandable;
   ia_arena_options_t o;
   ia_plugin_pool_options(pool, &o);
-  if (mapped) o.address_range = slot->address_range;
+  if (mapped) o.address_range = dev->address_range;
   ia_backend_t *backend;
   ia_status_t st = make_backend(device, unified, mapped, &backend);
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
@@ -174,10 +176,10 @@ static ia_status_t choose_mapping(int device, bool *mapped, size_t *range) {
 }
 
 static ia_status_t create_device(int device) {
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
+  _ia_device_t *dev = &_ia_plugin.devices[device];
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&_ia_plugin.lock);
-  if (atomic_load(&slot->ready) != 1) {
+  if (atomic_load(&dev->ready) != 1) {
     if (!_ia_plugin.configured) {
       snprintf(_ia_failure, sizeof _ia_failure, "the allocator was loaded but never configured: call alloc.install()");
       st = IA_ERR_INVALID_ARGUMENT;
@@ -189,53 +191,53 @@ static ia_status_t create_device(int device) {
       st = ia_cuda_memory_attributes(device, &attributes);
       unified = st == IA_OK && ia_memory_is_unified(&attributes);
     }
-    slot->owner = (_ia_owner_t){.device = device};
-    if (st == IA_OK) st = choose_mapping(device, &slot->expandable, &slot->address_range);
+    dev->owner = (_ia_owner_t){.device = device};
+    if (st == IA_OK) st = choose_mapping(device, &dev->expandable, &dev->address_range);
     for (int p = IA_POOL_SMALL; st == IA_OK && _ia_plugin.config.scope == IA_SCOPE_PROCESS && p < IA_POOL_COUNT; p++)
-      st = make_arena(device, unified, p, &slot->arenas[p]);
+      st = make_arena(device, unified, p, &dev->arenas[p]);
     for (int peer = 0; st == IA_OK && peer < IA_MAX_DEVICES; peer++) /* asked before the pools existed */
-      for (int p = IA_POOL_SMALL; st == IA_OK && p < IA_POOL_COUNT && (slot->peers >> peer & 1); p++)
-        if (slot->arenas[p]) st = _ia_arena_grant_access(slot->arenas[p], peer);
+      for (int p = IA_POOL_SMALL; st == IA_OK && p < IA_POOL_COUNT && (dev->peers >> peer & 1); p++)
+        if (dev->arenas[p]) st = _ia_arena_grant_access(dev->arenas[p], peer);
     if (st != IA_OK) {
       if (_ia_plugin.configured) describe_backend_failure(st);
       for (int p = IA_POOL_SMALL; p < IA_POOL_COUNT; p++) {
-        ia_arena_destroy(slot->arenas[p]);
-        slot->arenas[p] = NULL;
+        ia_arena_destroy(dev->arenas[p]);
+        dev->arenas[p] = NULL;
       }
     }
-    slot->unified = unified;
-    atomic_store(&slot->pool_stream, IA_STREAM_NONE);
-    atomic_store(&slot->ready, st == IA_OK ? 1 : -1);
+    dev->unified = unified;
+    atomic_store(&dev->pool_stream, IA_STREAM_NONE);
+    atomic_store(&dev->ready, st == IA_OK ? 1 : -1);
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
 }
 
-_ia_device_slot_t *_ia_device_slot(int device, ia_status_t *st) {
-  if (device < 0 || device >= IA_MAX_DEVICES) {
+_ia_device_t *_ia_device_made(int device, ia_status_t *st) {
+  _ia_device_t *dev = _ia_device(device);
+  if (!dev) {
     snprintf(_ia_failure, sizeof _ia_failure, "device index %d is outside 0..%d", device, IA_MAX_DEVICES - 1);
     *st = IA_ERR_INVALID_ARGUMENT;
     return NULL;
   }
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
-  *st = atomic_load_explicit(&slot->ready, memory_order_acquire) == 1 ? IA_OK : create_device(device);
-  return *st == IA_OK ? slot : NULL;
+  *st = atomic_load_explicit(&dev->ready, memory_order_acquire) == 1 ? IA_OK : create_device(device);
+  return *st == IA_OK ? dev : NULL;
 }
 
-ia_status_t _ia_ensure_workspace(_ia_device_slot_t *slot, int device) {
-  if (atomic_load_explicit(&slot->workspace_ready, memory_order_acquire)) return IA_OK;
+ia_status_t _ia_ensure_workspace(_ia_device_t *dev, int device) {
+  if (atomic_load_explicit(&dev->workspace_ready, memory_order_acquire)) return IA_OK;
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&_ia_plugin.lock);
-  if (!atomic_load(&slot->workspace_ready)) {
+  if (!atomic_load(&dev->workspace_ready)) {
     /* Made once; after a release the same arena reserves its budget again (Note [Device lifetime]). */
-    if (atomic_load(&slot->workspace_made)) {
-      st = ia_arena_wake(slot->arenas[IA_POOL_WORKSPACE]);
-    } else if ((st = make_arena(device, slot->unified, IA_POOL_WORKSPACE, &slot->arenas[IA_POOL_WORKSPACE])) ==
+    if (atomic_load(&dev->workspace_made)) {
+      st = ia_arena_wake(dev->arenas[IA_POOL_WORKSPACE]);
+    } else if ((st = make_arena(device, dev->unified, IA_POOL_WORKSPACE, &dev->arenas[IA_POOL_WORKSPACE])) ==
                IA_OK) {
-      atomic_store_explicit(&slot->workspace_made, 1, memory_order_release);
+      atomic_store_explicit(&dev->workspace_made, 1, memory_order_release);
     }
     if (st == IA_OK) {
-      atomic_store_explicit(&slot->workspace_ready, 1, memory_order_release);
+      atomic_store_explicit(&dev->workspace_ready, 1, memory_order_release);
     } else {
       char budget[32], why[768];
       describe_backend_failure(st);
@@ -251,8 +253,8 @@ ia_status_t _ia_ensure_workspace(_ia_device_slot_t *slot, int device) {
 
 ia_status_t ia_plugin_reserve(int device) {
   ia_status_t st;
-  _ia_device_slot_t *slot = _ia_device_slot(device, &st);
-  return slot ? _ia_ensure_workspace(slot, device) : st;
+  _ia_device_t *dev = _ia_device_made(device, &st);
+  return dev ? _ia_ensure_workspace(dev, device) : st;
 }
 
 const char *ia_plugin_failure(void) { return _ia_failure; }
@@ -260,11 +262,11 @@ const char *ia_plugin_failure(void) { return _ia_failure; }
 /* Sleep: the workspace arena's reservation goes back to the driver when none of its blocks is live
  * (a workspace tensor, a CUDA graph's carve-out, the workspace pool's segment) and no stream of the
  * device captures, and comes back at the next reservation or workspace. The arena itself stays
- * (Note [Device lifetime], plugin.h): readers on other threads keep reading it, and its counters
+ * (Note [Device lifetime], csrc/torch/plugin.h): readers on other threads keep reading it, and its counters
  * keep their history. */
 ia_status_t ia_plugin_release(int device) {
   if (!_ia_device_ready(device)) return IA_OK;
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
+  _ia_device_t *dev = &_ia_plugin.devices[device];
   ia_status_t st = IA_OK;
   pthread_mutex_lock(&_ia_plugin.lock);
   ia_arena_t *arena = ia_plugin_arena(device, IA_POOL_WORKSPACE);
@@ -280,8 +282,8 @@ ia_status_t ia_plugin_release(int device) {
       snprintf(_ia_failure, sizeof _ia_failure, "a CUDA graph is being captured on it; release once the capture "
                "has ended");
   } else if (arena) {
-    atomic_store_explicit(&slot->workspace_ready, 0, memory_order_release);
-    atomic_store(&slot->pool_stream, IA_STREAM_NONE);
+    atomic_store_explicit(&dev->workspace_ready, 0, memory_order_release);
+    atomic_store(&dev->pool_stream, IA_STREAM_NONE);
   }
   pthread_mutex_unlock(&_ia_plugin.lock);
   return st;
@@ -294,9 +296,9 @@ bool _ia_device_ready(int device) {
 
 ia_arena_t *ia_plugin_arena(int device, int pool) {
   if (!_ia_device_ready(device) || pool < 0 || pool >= IA_POOL_COUNT) return NULL;
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
-  if (pool == IA_POOL_WORKSPACE && !atomic_load_explicit(&slot->workspace_made, memory_order_acquire)) return NULL;
-  return slot->arenas[pool];
+  _ia_device_t *dev = &_ia_plugin.devices[device];
+  if (pool == IA_POOL_WORKSPACE && !atomic_load_explicit(&dev->workspace_made, memory_order_acquire)) return NULL;
+  return dev->arenas[pool];
 }
 
 bool ia_plugin_workspace_reserved(int device) {
@@ -313,24 +315,28 @@ static void exact(ia_stat_t *s, const _ia_total_t *t) {
   s->peak = t->peak;
 }
 
-/* The device's arenas summed in one pass, each read once: every arena into kinds[IA_KIND_ALL],
- * and with count IA_KIND_COUNT the general small and large pools into kinds[IA_KIND_SMALL] and
- * kinds[IA_KIND_LARGE] too, each with the graph pools' arenas of its kind (as PyTorch counts a
+/* ia_torch_stats_t is indexed as PyTorch's StatType (aggregate, small pool, large pool), its small
+ * and large entries by the pool kind itself (allocator.h). */
+_Static_assert(IA_STAT_ALL == 0 && IA_POOL_SMALL == 1 && IA_POOL_LARGE == 2 && IA_STAT_KINDS == 3,
+               "ia_torch_stats_t's index is PyTorch's StatType: AGGREGATE 0, SMALL_POOL 1, LARGE_POOL 2");
+
+/* The device's arenas summed in one pass, each read once: every arena into stats[IA_STAT_ALL],
+ * and with count IA_STAT_KINDS the general small and large pools into stats[IA_POOL_SMALL] and
+ * stats[IA_POOL_LARGE] too, each with the graph pools' arenas of its kind (as PyTorch counts a
  * private pool's blocks). The device-wide current and peak are its totals' exact ones. */
-static void sum_device(int device, ia_stats_t *kinds, int count) {
-  memset(kinds, 0, (size_t)count * sizeof *kinds);
+static void sum_device(int device, ia_stats_t *stats, int count) {
+  memset(stats, 0, (size_t)count * sizeof *stats);
   if (!_ia_device_ready(device)) return;
   for (int p = 0; p < IA_POOL_COUNT; p++) {
     ia_arena_t *a = ia_plugin_arena(device, p);
     if (!a) continue;
     ia_stats_t s;
     ia_arena_stats(a, &s);
-    _ia_stats_add(&kinds[IA_KIND_ALL], &s);
-    if (count == IA_KIND_COUNT && p != IA_POOL_WORKSPACE)
-      _ia_stats_add(&kinds[p == IA_POOL_SMALL ? IA_KIND_SMALL : IA_KIND_LARGE], &s);
+    _ia_stats_add(&stats[IA_STAT_ALL], &s);
+    if (count == IA_STAT_KINDS && p != IA_POOL_WORKSPACE) _ia_stats_add(&stats[p], &s);
   }
-  _ia_graph_add_stats(device, kinds, count);
-  ia_stats_t *all = &kinds[IA_KIND_ALL];
+  _ia_graph_add_stats(device, stats, count);
+  ia_stats_t *all = &stats[IA_STAT_ALL];
   ia_totals_t *t = &_ia_plugin.devices[device].totals;
   pthread_mutex_lock(&t->lock);
   exact(&all->in_use, &t->in_use);
@@ -354,13 +360,13 @@ ia_device_totals_t ia_plugin_device_totals(int device) {
 
 /* The one place the arena's quantities become PyTorch's families (IA_STAT_QUADS names each pair). */
 void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
-  ia_stats_t kinds[IA_KIND_COUNT];
-  sum_device(device, kinds, IA_KIND_COUNT);
+  ia_stats_t stats[IA_STAT_KINDS];
+  sum_device(device, stats, IA_STAT_KINDS);
 #define FILL(name, torch, doc)                                                                      \
-  for (int k = 0; k < IA_KIND_COUNT; k++) out->torch[k] = kinds[k].name;
+  for (int k = 0; k < IA_STAT_KINDS; k++) out->torch[k] = stats[k].name;
   IA_STAT_QUADS(FILL)
 #undef FILL
-  const ia_stats_t *all = &kinds[IA_KIND_ALL];
+  const ia_stats_t *all = &stats[IA_STAT_ALL];
   out->num_alloc_retries = (int64_t)(all->retries + ia_plugin_retries());
   out->num_ooms = (int64_t)ia_plugin_ooms();
   out->num_device_alloc = (int64_t)all->backend_reserves;
@@ -369,7 +375,7 @@ void ia_plugin_torch_stats(int device, ia_torch_stats_t *out) {
   pthread_mutex_lock(&_ia_plugin.lock);
   const ia_torch_stats_t *base = &_ia_plugin.devices[device].accumulated_base;
 #define SINCE_RESET(name, torch, doc)                                                               \
-  for (int k = 0; k < IA_KIND_COUNT; k++) {                                                         \
+  for (int k = 0; k < IA_STAT_KINDS; k++) {                                                         \
     out->torch[k].allocated -= base->torch[k].allocated;                                           \
     out->torch[k].freed -= base->torch[k].freed;                                                   \
   }
@@ -417,7 +423,7 @@ typedef struct {
 static void trace_graph_arena(void *target, ia_pool_id_t id, int kind, ia_arena_t *arena) {
   (void)id;
   trace_target_t *t = target;
-  ia_arena_set_trace(arena, t->trace, t->device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
+  ia_arena_set_trace(arena, t->trace, t->device, _ia_graph_trace_tag(kind));
 }
 
 /* Every arena of every device records into the plugin's traces while they record (else none, so
@@ -480,40 +486,33 @@ ia_trace_t *ia_plugin_trace(void) {
   return t;
 }
 
-ia_totals_t *_ia_plugin_totals(int device) {
-  return device >= 0 && device < IA_MAX_DEVICES ? &_ia_plugin.devices[device].totals : NULL;
-}
-
 ia_status_t _ia_plugin_graph_arena(int device, int kind, ia_stream_t stream, const _ia_owner_t *owner,
                                    ia_arena_t **out) {
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
+  _ia_device_t *dev = &_ia_plugin.devices[device];
   ia_arena_options_t o;
-  ia_arena_default_options(&o);
-  o.growable = true;
   ia_backend_t *backend;
-  ia_status_t st = make_backend(device, slot->unified, false, &backend); /* graph pools keep regions */
+  ia_status_t st = make_backend(device, dev->unified, false, &backend); /* graph pools keep regions */
   if (st != IA_OK) return st;
-  if (kind == GRAPH_WORKSPACE) {
+  if (kind == IA_POOL_WORKSPACE) {
+    ia_arena_default_options(&o);
+    o.growable = true;
     /* Regions of exactly what is asked, so that the graph holds no more of the budget than it uses. */
     o.alignment = o.region_round = o.region_min = _ia_plugin.config.alignment;
-    st = _ia_carve_backend_create(slot->arenas[IA_POOL_WORKSPACE], stream, backend, &backend);
+    st = _ia_carve_backend_create(dev->arenas[IA_POOL_WORKSPACE], stream, backend, &backend);
   } else {
-    o.alignment = 512;
-    o.region_round = 2 * MiB;
-    o.region_min = kind == GRAPH_SMALL ? 2 * MiB : 20 * MiB;
-    o.region_exact_above = kind == GRAPH_SMALL ? SIZE_MAX : 10 * MiB;
+    ia_plugin_pool_options(kind, &o); /* the general pool's of that kind: growable, its regions */
     const ia_pool_allocator_t *own = _ia_graph_pool_options(owner->graph_pool, &o.no_split);
     if (own) st = _ia_pool_backend_create(own, device, stream, backend, &backend);
   }
   if (st == IA_OK) st = ia_arena_create(&o, backend, out);
   /* A carve-out's bytes are already counted by the workspace arena it comes from. */
-  if (st == IA_OK && kind != GRAPH_WORKSPACE) _ia_arena_set_totals(*out, &slot->totals);
-  if (st == IA_OK && kind == GRAPH_WORKSPACE) _ia_arena_watch_captures(*out, &slot->totals.captures);
+  if (st == IA_OK && kind != IA_POOL_WORKSPACE) _ia_arena_set_totals(*out, &dev->totals);
+  if (st == IA_OK && kind == IA_POOL_WORKSPACE) _ia_arena_watch_captures(*out, &dev->totals.captures);
   if (st == IA_OK) _ia_arena_set_region_hook(*out, _ia_registry_hook, (void *)owner);
-  /* Under the graph pools' lock, which trace_every_arena also takes after setting the sink. */
+  /* Under the graph lock, which trace_every_arena also takes after setting the sink. */
   ia_trace_t *graph_trace = atomic_load_explicit(&_ia_plugin.graph_trace, memory_order_acquire);
   if (st == IA_OK && recording(graph_trace))
-    ia_arena_set_trace(*out, graph_trace, device, (uint8_t)(IA_TRACE_POOL_GRAPH + kind));
+    ia_arena_set_trace(*out, graph_trace, device, _ia_graph_trace_tag(kind));
   return st;
 }
 
@@ -523,7 +522,3 @@ void _ia_plugin_flush_events(int device) {
     if (ia_plugin_arena(device, p)) _ia_arena_flush_events(ia_plugin_arena(device, p));
   _ia_graph_pools_flush_events(device);
 }
-
-/* torch.cuda.set_per_process_memory_fraction: everything the device's pools hold, the workspace
- * arena included, stays under fraction x the device's memory; the general pools stop growing there
- * (and raise out-of-memory, after giving back their cached regions). */

@@ -22,10 +22,10 @@ bool ia_workspace_exit(void) {
 }
 int ia_workspace_depth(void) { return workspace_depth; }
 
-static void *graph_alloc(_ia_device_slot_t *slot, int device, size_t size, size_t reserve, ia_stream_t stream,
+static void *graph_alloc(_ia_device_t *dev, int device, size_t size, size_t reserve, ia_stream_t stream,
                          ia_pool_id_t id) {
-  int kind = workspace_depth ? GRAPH_WORKSPACE : reserve <= IA_SMALL_REQUEST ? GRAPH_SMALL : GRAPH_LARGE;
-  ia_status_t st = workspace_depth ? _ia_ensure_workspace(slot, device) : IA_OK;
+  int kind = workspace_depth ? IA_POOL_WORKSPACE : reserve <= IA_SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
+  ia_status_t st = workspace_depth ? _ia_ensure_workspace(dev, device) : IA_OK;
   _ia_graph_reclaim(device, stream);
   ia_arena_t *arena = st == IA_OK ? _ia_graph_arena(device, id, kind, stream, &st) : NULL;
   void *p = NULL;
@@ -42,28 +42,26 @@ void *ia_torch_alloc_rounded(size_t size, size_t reserve, int device, void *stre
   if (size == 0) return NULL;
   if (reserve < size) reserve = size;
   ia_status_t st;
-  _ia_device_slot_t *slot = _ia_device_slot(device, &st);
-  if (slot && _ia_plugin.config.scope != IA_SCOPE_PROCESS) {
+  _ia_device_t *dev = _ia_device_made(device, &st);
+  if (dev && _ia_plugin.config.scope != IA_SCOPE_PROCESS) {
     snprintf(_ia_failure, sizeof _ia_failure, "the allocator is installed for workspace pools only, not as the "
              "process's allocator: its MemPools call ia_pool_alloc");
     st = IA_ERR_INVALID_ARGUMENT;
   }
-  if (st == IA_OK && graph_pool) return graph_alloc(slot, device, size, reserve, (ia_stream_t)stream, *graph_pool);
-  if (slot && workspace_depth) st = _ia_ensure_workspace(slot, device);
+  if (st == IA_OK && graph_pool) return graph_alloc(dev, device, size, reserve, (ia_stream_t)stream, *graph_pool);
+  if (dev && workspace_depth) st = _ia_ensure_workspace(dev, device);
   if (st != IA_OK) _ia_fail_alloc(device, -1, size, st);
   int pool = workspace_depth ? IA_POOL_WORKSPACE : reserve <= IA_SMALL_REQUEST ? IA_POOL_SMALL : IA_POOL_LARGE;
   void *p;
-  st = _ia_arena_alloc_reserving(slot->arenas[pool], size, reserve, (ia_stream_t)stream, &p);
+  st = _ia_arena_alloc_reserving(dev->arenas[pool], size, reserve, (ia_stream_t)stream, &p);
   if (st != IA_OK && pool != IA_POOL_WORKSPACE) {
     /* The other general pool may be caching whole regions this request could use. */
-    if (ia_arena_release_cached(slot->arenas[IA_POOL_SMALL + IA_POOL_LARGE - pool])) {
+    if (ia_arena_release_cached(dev->arenas[IA_POOL_SMALL + IA_POOL_LARGE - pool])) {
       atomic_fetch_add(&_ia_plugin.retries, 1);
-      st = _ia_arena_alloc_reserving(slot->arenas[pool], size, reserve, (ia_stream_t)stream, &p);
+      st = _ia_arena_alloc_reserving(dev->arenas[pool], size, reserve, (ia_stream_t)stream, &p);
     }
     /* Last, as PyTorch: the free blocks of MemPools made with use_on_oom. */
-    if (st != IA_OK && (p = _ia_graph_alloc_on_oom(device, size, (ia_stream_t)stream,
-                                                   pool == IA_POOL_SMALL ? GRAPH_SMALL : GRAPH_LARGE)))
-      st = IA_OK;
+    if (st != IA_OK && (p = _ia_graph_alloc_on_oom(device, size, (ia_stream_t)stream, pool))) st = IA_OK;
   }
   if (st != IA_OK) _ia_fail_alloc(device, pool, size, st);
   return p;
@@ -89,25 +87,28 @@ void ia_torch_record_stream(void *ptr, void *stream) {
   if (arena) ia_arena_record_stream(arena, ptr, (ia_stream_t)stream);
 }
 
+/* torch.cuda.set_per_process_memory_fraction: everything the device's pools hold, the workspace
+ * arena included, stays under fraction x the device's memory; the general pools stop growing there
+ * (and raise out-of-memory, after giving back their cached regions). */
 void ia_torch_memory_fraction(double fraction, int device) {
   ia_status_t st;
-  _ia_device_slot_t *slot = _ia_device_slot(device, &st);
+  _ia_device_t *dev = _ia_device_made(device, &st);
   size_t free_bytes, total;
-  if (!slot || ia_cuda_mem_info(device, &free_bytes, &total) != IA_OK) return;
+  if (!dev || ia_cuda_mem_info(device, &free_bytes, &total) != IA_OK) return;
   pthread_mutex_lock(&_ia_plugin.lock);
-  slot->fraction = fraction;
-  slot->fraction_set = true;
+  dev->fraction = fraction;
+  dev->fraction_set = true;
   /* As PyTorch: 1.0 lifts the limit; 0.0 allows nothing (a limit of 0 would mean none). */
   uint64_t allowed = (uint64_t)(fraction * (double)total);
-  atomic_store(&slot->totals.limit, fraction >= 1.0 ? 0 : allowed ? allowed : 1);
+  atomic_store(&dev->totals.limit, fraction >= 1.0 ? 0 : allowed ? allowed : 1);
   pthread_mutex_unlock(&_ia_plugin.lock);
 }
 
 double ia_torch_get_memory_fraction(int device) {
   if (device < 0 || device >= IA_MAX_DEVICES) return 1.0;
-  _ia_device_slot_t *slot = &_ia_plugin.devices[device];
+  _ia_device_t *dev = &_ia_plugin.devices[device];
   pthread_mutex_lock(&_ia_plugin.lock);
-  double fraction = slot->fraction_set ? slot->fraction : 1.0;
+  double fraction = dev->fraction_set ? dev->fraction : 1.0;
   pthread_mutex_unlock(&_ia_plugin.lock);
   size_t free_bytes, total;
   /* As PyTorch answers: the bytes allowed over the device's memory. */
@@ -118,14 +119,14 @@ double ia_torch_get_memory_fraction(int device) {
 
 ia_status_t ia_torch_enable_peer_access(int dev, int dev_to_access) {
   if (dev < 0 || dev >= IA_MAX_DEVICES || dev_to_access < 0 || dev_to_access >= IA_MAX_DEVICES) return IA_ERR_INVALID_ARGUMENT;
-  _ia_device_slot_t *slot = &_ia_plugin.devices[dev_to_access];
+  _ia_device_t *target = &_ia_plugin.devices[dev_to_access];
   pthread_mutex_lock(&_ia_plugin.lock); /* a device made now sees the bit, or is ready once it is set */
-  slot->peers |= 1ull << dev;
-  bool ready = atomic_load(&slot->ready) == 1;
+  target->peers |= 1ull << dev;
+  bool ready = atomic_load(&target->ready) == 1;
   pthread_mutex_unlock(&_ia_plugin.lock);
   ia_status_t st = IA_OK;
   for (int p = IA_POOL_SMALL; ready && st == IA_OK && p < IA_POOL_COUNT; p++)
-    if (slot->arenas[p]) st = _ia_arena_grant_access(slot->arenas[p], dev);
+    if (target->arenas[p]) st = _ia_arena_grant_access(target->arenas[p], dev);
   return st;
 }
 
@@ -174,18 +175,18 @@ const ia_torch_entry_points_t *ia_torch_entry_points(void) { return &entry_point
 IA_EXPORT void *ia_pool_alloc(ssize_t size, int device, void *stream) {
   if (size <= 0) return NULL;
   ia_status_t st;
-  _ia_device_slot_t *slot = _ia_device_slot(device, &st);
-  if (slot && _ia_plugin.config.scope != IA_SCOPE_WORKSPACE) {
+  _ia_device_t *dev = _ia_device_made(device, &st);
+  if (dev && _ia_plugin.config.scope != IA_SCOPE_WORKSPACE) {
     snprintf(_ia_failure, sizeof _ia_failure, "the allocator is installed for the whole process, not for workspace pools");
     st = IA_ERR_INVALID_ARGUMENT;
   }
-  if (st == IA_OK) st = _ia_ensure_workspace(slot, device);
+  if (st == IA_OK) st = _ia_ensure_workspace(dev, device);
   void *p = NULL;
   if (st == IA_OK) {
     ia_stream_t none = IA_STREAM_NONE;
-    atomic_compare_exchange_strong(&slot->pool_stream, &none, (ia_stream_t)stream);
-    st = ia_arena_alloc(slot->arenas[IA_POOL_WORKSPACE], (size_t)size, (ia_stream_t)stream, &p);
-    if (st != IA_OK) _ia_describe_pool_refusal(slot, device, (size_t)size, stream);
+    atomic_compare_exchange_strong(&dev->pool_stream, &none, (ia_stream_t)stream);
+    st = ia_arena_alloc(dev->arenas[IA_POOL_WORKSPACE], (size_t)size, (ia_stream_t)stream, &p);
+    if (st != IA_OK) _ia_describe_pool_refusal(dev, device, (size_t)size, stream);
   }
   if (st != IA_OK) {
     pool_refusals++;

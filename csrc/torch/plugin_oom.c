@@ -9,8 +9,6 @@
 
 #include "plugin.h"
 
-#define MiB ((size_t)1 << 20)
-
 void _ia_raise_oom(const char *message) {
   atomic_fetch_add(&_ia_plugin.ooms, 1);
   if (_ia_plugin.config.raise_oom) _ia_plugin.config.raise_oom(message); /* throws */
@@ -86,7 +84,7 @@ static uint64_t graph_pools_held(int device, const ia_pool_id_t *id) {
 static void growth_refusal(ia_status_t st, int device, char *buf, size_t len) {
   if (st == IA_ERR_LIMIT)
     snprintf(buf, len, " The pools may hold at most %.0f MiB here (torch.cuda.set_per_process_memory_fraction).",
-             (double)atomic_load(&_ia_plugin.devices[device].totals.limit) / (double)MiB);
+             (double)atomic_load(&_ia_plugin.devices[device].totals.limit) / (double)IA_MiB);
   else if (st == IA_ERR_HOST_MEMORY_GUARD) snprintf(buf, len, " %s.", ia_guard_last_message());
   else if ((st == IA_ERR_BACKEND_OUT_OF_MEMORY || st == IA_ERR_BACKEND) && ia_cuda_last_error()[0])
     snprintf(buf, len, " %s.", ia_cuda_last_error()); /* a driver call's own words (mapping, too) */
@@ -141,7 +139,7 @@ __attribute__((noinline)) void _ia_fail_graph_alloc(int device, ia_pool_id_t id,
                                               "PyTorch is not allocating to that pool now");
   else growth_refusal(st, device, why, sizeof why);
   report_hint(hint, sizeof hint);
-  if (kind == GRAPH_WORKSPACE) {
+  if (kind == IA_POOL_WORKSPACE) {
     ia_arena_t *ws = ia_plugin_arena(device, IA_POOL_WORKSPACE);
     if (ws) describe_arena(ws, state, sizeof state);
     snprintf(message, sizeof message,
@@ -163,11 +161,11 @@ __attribute__((noinline)) void _ia_fail_graph_alloc(int device, ia_pool_id_t id,
   _ia_raise_oom(message);
 }
 
-void _ia_describe_pool_refusal(_ia_device_slot_t *slot, int device, size_t size, void *stream) {
+void _ia_describe_pool_refusal(_ia_device_t *dev, int device, size_t size, void *stream) {
   char req[32], left[32], other[384] = "";
   ia_stats_t s;
-  ia_arena_stats(slot->arenas[IA_POOL_WORKSPACE], &s);
-  ia_stream_t first = atomic_load(&slot->pool_stream);
+  ia_arena_stats(dev->arenas[IA_POOL_WORKSPACE], &s);
+  ia_stream_t first = atomic_load(&dev->pool_stream);
   if (first != (ia_stream_t)stream)
     snprintf(other, sizeof other, " The budget's segment belongs to stream %#" PRIxPTR " and this request "
              "came on stream %#" PRIxPTR ": PyTorch gives a segment's blocks to its own stream only, so in "
@@ -216,10 +214,9 @@ typedef struct {
 
 static void write_graph_pool(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *a) {
   report_t *r = ctx;
-  if (kind == GRAPH_WORKSPACE) return;
+  if (kind == IA_POOL_WORKSPACE) return;
   char name[96];
-  snprintf(name, sizeof name, "graph (%" PRIu64 ", %" PRIu64 ") %s", id.first, id.second,
-           kind == GRAPH_SMALL ? "small" : "large");
+  snprintf(name, sizeof name, "graph (%" PRIu64 ", %" PRIu64 ") %s", id.first, id.second, ia_plugin_pool_name(kind));
   write_pool(r->f, r->sep, name, a);
   r->sep = ", ";
 }
@@ -234,10 +231,10 @@ bool ia_plugin_write_report(const char *path) {
   fprintf(f, "{\"format\": \"indexer-arena-report-2\", \"budget\": %zu, \"devices\": [", _ia_plugin.config.budget);
   bool first_device = true;
   for (int d = 0; d < IA_MAX_DEVICES; d++) {
-    _ia_device_slot_t *slot = &_ia_plugin.devices[d];
-    if (atomic_load(&slot->ready) != 1) continue;
+    _ia_device_t *dev = &_ia_plugin.devices[d];
+    if (atomic_load(&dev->ready) != 1) continue;
     fprintf(f, "%s{\"device\": %d, \"unified\": %s, \"expandable\": %s, \"pools\": [", first_device ? "" : ", ",
-            d, slot->unified ? "true" : "false", slot->expandable ? "true" : "false");
+            d, dev->unified ? "true" : "false", dev->expandable ? "true" : "false");
     first_device = false;
     const char *sep = "";
     for (int p = 0; p < IA_POOL_COUNT; p++)

@@ -35,7 +35,7 @@ static void walk_arena(const walk_t *w, ia_arena_t *a, int32_t pool, ia_pool_id_
 }
 
 static void walk_graph_arena(void *ctx, ia_pool_id_t id, int kind, ia_arena_t *a) {
-  if (kind != GRAPH_WORKSPACE) walk_arena(ctx, a, IA_TRACE_POOL_GRAPH + kind, id);
+  if (kind != IA_POOL_WORKSPACE) walk_arena(ctx, a, _ia_graph_trace_tag(kind), id);
 }
 
 void ia_plugin_segments(int device, ia_segment_fn fn, void *ctx) {

@@ -7,7 +7,8 @@
  * pools map pages of one address range each, a few hundred at most with regions), and a region is
  * added or removed only when an arena reserves or gives one back. A CUDA graph's workspace arena
  * carves its regions out of the device's workspace region, so regions may nest; a lookup answers
- * the innermost. Lock order: an arena's lock, then this one (the hook runs under the arena's).
+ * the innermost. The hook runs under the arena's lock; the lock order: Note [Device lifetime]
+ * (csrc/torch/plugin.h).
  */
 #include <pthread.h>
 #include <stdlib.h>

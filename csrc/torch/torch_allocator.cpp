@@ -49,14 +49,13 @@ namespace cda = c10::CachingDeviceAllocator;
 using Context = std::shared_ptr<c10::GatheredContext>;
 
 const ia_torch_entry_points_t* core = nullptr;
-constexpr int GRAPH_TAG_WORKSPACE = 2;  // IA_TRACE_POOL_GRAPH + 2: a graph pool's workspace carve-outs
 
 ia_pool_id_t to_id(MempoolId_t id) { return {id.first, id.second}; }
 
 // ---- memory history (torch.cuda.memory._record_memory_history)
 // The core hands every event of every arena to on_event while history is on; the stacks come from
 // PyTorch's recorder, gathered by the thread that allocates or frees before it calls the core
-// (on_event runs under the core's locks, where gathering a Python stack could deadlock).
+// (on_event runs under the core's locks, Note [Device lifetime]: gathering a stack there could deadlock).
 struct History {
   std::mutex mu;
   std::atomic<bool> on{false};
@@ -100,7 +99,7 @@ void record(cda::TraceEntry::Action action, int device, uintptr_t addr, size_t s
   if (history.skip[action] || device < 0) return;
   auto& trace = history.traces.at(device);
   std::string metadata = history.user_metadata;
-  if (metadata.empty() && (tag == IA_POOL_WORKSPACE || tag == IA_TRACE_POOL_GRAPH + GRAPH_TAG_WORKSPACE))
+  if (metadata.empty() && (tag == IA_POOL_WORKSPACE || tag == IA_TRACE_POOL_GRAPH_WORKSPACE))
     metadata = "indexer-arena workspace";
   else if (metadata.empty() && tag >= IA_TRACE_POOL_GRAPH)
     metadata = "indexer-arena CUDA graph pool";
@@ -183,7 +182,7 @@ void add_segment(void* ctx, const ia_segment_info_t* seg, const ia_block_info_t*
   info.address = seg->address;
   info.total_size = seg->size;
   info.stream = reinterpret_cast<void*>(seg->stream == UINTPTR_MAX ? 0 : seg->stream);
-  info.is_large = !(seg->pool == IA_POOL_SMALL || seg->pool == IA_TRACE_POOL_GRAPH + 0);
+  info.is_large = !(seg->pool == IA_POOL_SMALL || seg->pool == IA_TRACE_POOL_GRAPH_SMALL);
   info.is_expandable = seg->expandable;
   info.owner_private_pool_id = pool;
   std::lock_guard<std::mutex> lock(history.mu);
@@ -535,15 +534,15 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
 
   double getMemoryFraction(c10::DeviceIndex device) override { return core->get_memory_fraction(device); }
 
-  // ---- statistics
-  // PyTorch's families come filled by the core (ia_plugin_torch_stats: IA_STAT_QUADS names each),
-  // indexed as c10's StatType is: aggregate, small pool, large pool (IA_KIND_*).
+  // ---- statistics: PyTorch's families come filled by the core (ia_plugin_torch_stats), indexed so:
+  static_assert(int(cda::StatType::AGGREGATE) == IA_STAT_ALL && int(cda::StatType::SMALL_POOL) == IA_POOL_SMALL &&
+                int(cda::StatType::LARGE_POOL) == IA_POOL_LARGE, "ia_torch_stats_t is indexed as c10's StatType");
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     ia_torch_stats_t s;
     core->torch_stats(device, &s);
     c10::CachingDeviceAllocator::DeviceStats out;
     auto copy = [](auto& stats, const ia_stat_t* from) {
-      for (int kind = 0; kind < IA_KIND_COUNT; kind++)
+      for (int kind = 0; kind < IA_STAT_KINDS; kind++)
         stats[kind] = {from[kind].current, from[kind].peak, from[kind].allocated, from[kind].freed};
     };
 #define IA_COPY(name, torch, doc) copy(out.torch, s.torch);
@@ -571,7 +570,7 @@ class ArenaAllocator final : public torch::cuda::CUDAPluggableAllocator::CUDAPlu
     MempoolId_t id;
     std::function<bool(cudaStream_t)> filter;
   };
-  std::mutex routes_mutex_;  // and oom_observers_
+  std::mutex routes_mutex_;  // and oom_observers_; held around core->graph_begin (Note [Device lifetime])
   std::vector<Route> routes_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   std::atomic<int> routing_{0};

@@ -57,7 +57,7 @@ assert [b for s in segs for b in s["blocks"] if b[0] == small[2]] == [(small[2],
 live = {b[0]: (s["pool"], s["graph"]) for s in segs for b in s["blocks"] if not b[3]}
 assert live == {**{a: (lib.IA_POOL_SMALL, (0, 0)) for a in small if a != small[2]},
                 large: (lib.IA_POOL_LARGE, (0, 0)), ws: (lib.IA_POOL_WORKSPACE, (0, 0)),
-                g: (lib.IA_TRACE_POOL_GRAPH + 1, (0, 9))}
+                g: (lib.IA_TRACE_POOL_GRAPH_LARGE, (0, 9))}
 """)
 
 
@@ -79,14 +79,38 @@ lib.ia_torch_free(ffi.cast("void *", g))
 assert lib.ia_graph_release(0, p[0]) == lib.IA_OK   # the pool goes: its region is given back
 lib.ia_torch_free(ffi.cast("void *", a))
 assert (lib.IA_TRACE_ALLOC, lib.IA_POOL_LARGE, a, 2 * MiB) in events
-assert (lib.IA_TRACE_ALLOC, lib.IA_TRACE_POOL_GRAPH, g, 4096) in events
-assert any(e[0] == lib.IA_TRACE_RESERVE and e[1] == lib.IA_TRACE_POOL_GRAPH for e in events)
-assert any(e[0] == lib.IA_TRACE_RELEASE and e[1] == lib.IA_TRACE_POOL_GRAPH for e in events)
+assert (lib.IA_TRACE_ALLOC, lib.IA_TRACE_POOL_GRAPH_SMALL, g, 4096) in events
+assert any(e[0] == lib.IA_TRACE_RESERVE and e[1] == lib.IA_TRACE_POOL_GRAPH_SMALL for e in events)
+assert any(e[0] == lib.IA_TRACE_RELEASE and e[1] == lib.IA_TRACE_POOL_GRAPH_SMALL for e in events)
 assert any(e[0] == lib.IA_TRACE_FREE and e[2] == a for e in events)
 assert lib.ia_plugin_trace_sink(ffi.NULL, ffi.NULL) == lib.IA_OK
 n = len(events)
 lib.ia_torch_free(ffi.cast("void *", alloc(8192)))
 assert len(events) == n
+""")
+
+
+def test_a_graph_pools_arenas_carry_the_trace_tags_that_files_hold():
+    # Trace files, reports and PyTorch's history hold these numbers: they never change.
+    run("""
+assert (lib.IA_POOL_WORKSPACE, lib.IA_POOL_SMALL, lib.IA_POOL_LARGE) == (0, 1, 2)
+assert lib.IA_TRACE_POOL_GRAPH == 3
+assert (lib.IA_TRACE_POOL_GRAPH_SMALL, lib.IA_TRACE_POOL_GRAPH_LARGE, lib.IA_TRACE_POOL_GRAPH_WORKSPACE) == (3, 4, 5)
+events = []
+@ffi.callback("void(void *, const ia_trace_event_t *)")
+def sink(ctx, e):
+    events.append((e.action, e.pool, e.address))
+assert lib.ia_plugin_reserve(0) == lib.IA_OK
+assert lib.ia_plugin_trace_sink(sink, ffi.NULL) == lib.IA_OK
+p = ffi.new("ia_pool_id_t *"); p.first, p.second = 4, 0
+assert lib.ia_graph_begin(0, p[0]) == lib.IA_OK
+small, large = alloc(4096, 2, p), alloc(3 * MiB, 2, p)
+lib.ia_workspace_enter(); ws = alloc(MiB, 2, p); lib.ia_workspace_exit()
+assert lib.ia_graph_end(0, p[0]) == lib.IA_OK
+allocs = [(pool, a) for action, pool, a in events if action == lib.IA_TRACE_ALLOC]
+assert (3, small) in allocs and (4, large) in allocs and (5, ws) in allocs
+assert (0, ws) in allocs  # the carve-out's region: a block of the device's workspace arena
+assert lib.ia_plugin_trace_sink(ffi.NULL, ffi.NULL) == lib.IA_OK
 """)
 
 

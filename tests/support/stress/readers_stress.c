@@ -107,11 +107,11 @@ static void check_tiling(void *ctx, const ia_segment_info_t *seg, const ia_block
 }
 
 /* Every cumulative figure of the device: each kind's allocated and freed sums, then the counters. */
-#define CUMULATIVE (IA_KIND_COUNT * 2 * 9 + 2)
+#define CUMULATIVE (IA_STAT_KINDS * 2 * 9 + 2)
 static void cumulative(const ia_torch_stats_t *s, int64_t *out) {
   int i = 0;
 #define TAKE(name, torch, doc)                                                                      \
-  for (int k = 0; k < IA_KIND_COUNT; k++) out[i++] = s->torch[k].allocated, out[i++] = s->torch[k].freed;
+  for (int k = 0; k < IA_STAT_KINDS; k++) out[i++] = s->torch[k].allocated, out[i++] = s->torch[k].freed;
   IA_STAT_QUADS(TAKE)
 #undef TAKE
   out[i++] = s->num_device_alloc;
