@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 from alloc.units import fmt_bytes
 
+# PyTorch's caching allocator's constants (kMinBlockSize ... kRoundLarge); the C core's copy of the
+# segment sizes is in csrc/torch/plugin.c.
 MIN_BLOCK_SIZE = 512
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20

@@ -40,10 +40,13 @@
 
 #include "plugin.h"
 
-/* PyTorch's caching allocator: a small-block segment (kSmallBuffer) and the smallest large one
- * (kLargeBuffer); large segments grow in 2 MiB steps (kRoundLarge). */
+/* PyTorch's caching allocator's segment sizes, the one place the core has them (Python's:
+ * arena_tools/torch_model.py): a small-block segment (kSmallBuffer), the smallest large one
+ * (kLargeBuffer), the request from which a large segment is the request's own size rounded
+ * (kMinLargeAlloc) and that rounding (kRoundLarge). */
 #define TORCH_SMALL_SEGMENT (2 * IA_MiB)
 #define TORCH_MIN_LARGE_SEGMENT (20 * IA_MiB)
+#define TORCH_MIN_LARGE_ALLOC (10 * IA_MiB)
 #define TORCH_SEGMENT_ROUND (2 * IA_MiB)
 _ia_plugin_t _ia_plugin = {
     .lock = PTHREAD_MUTEX_INITIALIZER,
@@ -113,9 +116,9 @@ ia_status_t ia_plugin_pool_options(int pool, ia_arena_options_t *o) {
   } else {
     o->growable = true;
     o->alignment = 512;
-    o->region_round = 2 * IA_MiB;
-    o->region_min = pool == IA_POOL_SMALL ? 2 * IA_MiB : 20 * IA_MiB;
-    o->region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : 10 * IA_MiB;
+    o->region_round = TORCH_SEGMENT_ROUND;
+    o->region_min = pool == IA_POOL_SMALL ? TORCH_SMALL_SEGMENT : TORCH_MIN_LARGE_SEGMENT;
+    o->region_exact_above = pool == IA_POOL_SMALL ? SIZE_MAX : TORCH_MIN_LARGE_ALLOC;
   }
   return IA_OK;
 }

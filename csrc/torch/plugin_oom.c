@@ -38,8 +38,9 @@ static void report_hint(char *buf, size_t len) {
            _ia_plugin.config.oom_report_path);
 }
 
-/* A byte count as PyTorch's allocator writes it in its messages (bytes, KiB, MiB, then GiB only),
- * so that what searches logs for PyTorch's words finds these too. */
+/* The core's own words format bytes with _ia_format_bytes (messages.c); this one differs on
+ * purpose: a byte count as PyTorch's allocator writes it in its messages (bytes, KiB, MiB, then
+ * GiB only), so that what searches logs for PyTorch's words finds these too. */
 static const char *torch_size(uint64_t size, char *buf, size_t len) {
   if (size <= 1024) snprintf(buf, len, "%" PRIu64 " bytes", size);
   else if (size <= 1048576) snprintf(buf, len, "%.2f KiB", (double)size / 1024.0);
