@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .units import U64_MAX
 
 STREAM_NONE = U64_MAX
-"""Stream value of memory no stream has touched yet (IA_STREAM_NONE in csrc/arena/arena.h)."""
+"""Stream value of memory no stream has touched yet (IA_STREAM_NONE in csrc/arena/internal.h)."""
 MAX_STREAM = STREAM_NONE - 1
 """The highest stream an allocation or a free is made on: the core refuses its no-stream value."""
 

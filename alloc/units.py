@@ -10,7 +10,7 @@ simulates pages of it."""
 U64_MAX = (1 << 64) - 1
 """The largest size, address or stream a C uint64_t, size_t or pointer holds here."""
 MAX_SIZE = 1 << 62
-"""The largest capacity, region or request the C core takes (IA_MAX_REQUEST in csrc/arena/internal.h)."""
+"""The largest capacity, region or request the C core takes (IA_MAX_REQUEST in csrc/arena/private.h)."""
 MAX_DEVICES = 64
 """Devices the allocator serves: indices 0 to MAX_DEVICES - 1 (IA_MAX_DEVICES in csrc/arena/arena.h)."""
 

@@ -61,8 +61,10 @@ typedef struct ia_totals {
    * one region. Atomic: set by torch.cuda.set_per_process_memory_fraction outside every lock. */
   _Atomic uint64_t limit;
   /* Streams of the device capturing CUDA graphs now (begun and not ended allocate-to-pool scopes):
-   * while any do, no arena watching it gives memory back. Whoever counts captures passes the frees it holds back
-   * under its own lock, so a free's relaxed look at it needs no stronger order on Arm. */
+   * while any do, no arena watching it gives memory back; an arena looks under its own lock, so
+   * whoever raises the count takes each arena's lock once afterwards to wait out a release that
+   * looked before. Whoever counts captures passes the frees it holds back under its own lock, so a
+   * free's relaxed look at the count needs no stronger order on Arm. */
   _Atomic int captures;
 } ia_totals_t;
 /* Also watches the group's capture count (below). */

@@ -64,12 +64,8 @@ bool _ia_table_insert(_ia_table_t *t, _ia_block_t *b); /* false: no memory to gr
 _ia_block_t *_ia_table_find(const _ia_table_t *t, uintptr_t addr);
 void _ia_table_remove(_ia_table_t *t, _ia_block_t *b); /* b must be in it */
 
-
-
-/* ---- The arena's state and the calls between its files (arena*.c) -------------------------------
- * arena.c: size classes, allocation and free; arena_regions.c: reservations; arena_blocks.c: block
- * headers and the address table; arena_streams.c: stream-ordered reuse; arena_mapped.c: mapped
- * stretches; arena_stats.c: statistics and listings; arena_check.c: the invariant walk. Everything below runs under the arena's lock unless it says otherwise. */
+/* ---- The arena's state and the calls between its files (arena*.c; csrc/README.md says which
+ * does what). Everything below runs under the arena's lock unless it says otherwise. ---------- */
 
 #define IA_SLAB_BLOCKS 256
 /* No reservation comes near this; above it the class arithmetic could overflow. */
