@@ -23,7 +23,6 @@ import subprocess
 import sys
 import sysconfig
 
-from cffi import FFI
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
@@ -59,8 +58,10 @@ def compile_args() -> list[str]:
     return args
 
 
-def builder(testing: bool = False, absolute: bool = False) -> FFI:
-    """absolute: source paths as such, for a build outside setuptools (which wants them relative)."""
+def builder(testing: bool = False, absolute: bool = False):
+    """The cffi builder (an FFI) of one extension. absolute: source paths as such, for a build
+    outside setuptools (which wants them relative)."""
+    from cffi import FFI  # here: the source lists above serve where cffi is not installed
     ffi = FFI()
     ffi.cdef(preprocessed_header(testing))
     ffi.set_source(
@@ -74,7 +75,9 @@ def builder(testing: bool = False, absolute: bool = False) -> FFI:
     return ffi
 
 
-ffibuilder = builder(testing=False)
+def ffibuilder():
+    """The production extension's builder, which setup.py's cffi_modules calls."""
+    return builder(testing=False)
 
 if __name__ == "__main__":
     # In place, into alloc/: `python alloc/_build.py` (production) or `... --testing`.

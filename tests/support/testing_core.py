@@ -1,5 +1,7 @@
 """The test build of the C core (alloc._core_testing, alloc/_build.py), built in place when its
 sources changed and chosen for this process and its children with INDEXER_ARENA_CORE=testing.
+A process that finds the variable set already was handed its core by its parent (a child
+pytest, the aarch64 Python with its own extension) and builds nothing.
 
 pytest-xdist starts several workers at once: a file lock lets one build while the others wait."""
 
@@ -28,7 +30,9 @@ def _built(fingerprint: str) -> bool:
 
 
 def ensure_built() -> None:
-    os.environ.setdefault("INDEXER_ARENA_CORE", "testing")
+    if "INDEXER_ARENA_CORE" in os.environ:
+        return
+    os.environ["INDEXER_ARENA_CORE"] = "testing"
     fingerprint = _fingerprint()
     if _built(fingerprint):
         return
