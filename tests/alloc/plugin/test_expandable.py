@@ -74,7 +74,7 @@ alloc.install()
     need = (3 * 12 + 12 * 6 + 20) * MiB                 # live bytes, whole pages in both pools
     assert out["expandable"] and out["stretches"] == 1
     # The small pool's first page was mapped (for the freed 1-byte tensor) before held0 was read, and
-    # the small tensors fill it: held is need less that page, or need when a page boundary splits one.
+    # the small tensors fill it: held is need less that page (need, were it not reused).
     assert need - 2 * MiB <= out["held"] <= need, out
     assert abs(out["device"] - out["held"]) <= 2 * MiB, out
 
