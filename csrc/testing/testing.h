@@ -1,7 +1,9 @@
-/* indexer-arena: what the tests and the harnesses reach beside the public interface (arena.h).
+/* indexer-arena: what the tests and the harnesses reach beside the public interface
+ * (indexer_arena.h), defined in this folder and built into the test build alone.
  *
- * The cffi builder reads this file after arena.h, the same way (alloc/_build.py), so the Python
- * tests see these too; the same rules hold: plain declarations once preprocessed with IA_CDEF. */
+ * The cffi builder of the test build (alloc._core_testing, alloc/_build.py) reads this file after
+ * indexer_arena.h, the same way, so the Python tests see these too; the same rules hold: plain
+ * declarations once preprocessed with IA_CDEF. */
 #ifndef INDEXER_ARENA_TESTING_H
 #define INDEXER_ARENA_TESTING_H
 
