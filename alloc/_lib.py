@@ -7,7 +7,7 @@ built in (alloc/_build.py).
 
 import os
 
-from .errors import InstallError
+from .errors import InstallError, excerpt
 
 _CHOICE = os.environ.get("INDEXER_ARENA_CORE", "")
 
@@ -21,7 +21,6 @@ if _CHOICE == "testing":
 elif _CHOICE == "":
     from . import _core as module
 else:
-    from .errors import excerpt
     raise InstallError(f"INDEXER_ARENA_CORE={excerpt(_CHOICE)} is not a build of the C core: leave it unset "
                        "(the production core) or set it to 'testing' (the test build)")
 

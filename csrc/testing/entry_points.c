@@ -1,6 +1,4 @@
 /* The entry points only the tests reach (testing.h) beside the simulated capture. */
-#include <string.h>
-
 #include "../torch/plugin.h"
 #include "testing.h"
 
