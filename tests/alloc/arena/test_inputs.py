@@ -48,14 +48,19 @@ def test_every_argument_works_or_raises_a_documented_error(op, value, other, off
 @settings(max_examples=200, deadline=None)
 @given(capacity=ANY, alignment=ANY, growable=st.booleans(), region_min=ANY)
 def test_an_arena_is_made_whole_or_refused_with_a_documented_error(capacity, alignment, growable, region_min):
+    limit = 64 << 20
     try:
-        a = Arena(capacity, alignment, growable=growable, region_min=region_min, host_limit=64 << 20)
+        a = Arena(capacity, alignment, growable=growable, region_min=region_min, host_limit=limit)
     except DOCUMENTED:
         return
     with a:
         assert a.capacity == a.stats()["capacity"] and a.capacity % a.alignment == 0
         if a.capacity:
             whole(a)
+        elif region_min > limit:  # its first region is more than the host backend may reserve
+            with pytest.raises(ArenaOutOfMemory, match="the backend could not reserve the memory"):
+                a.allocate(4096)
+            a.check()
         else:
             p = a.allocate(4096)
             a.free(p)
