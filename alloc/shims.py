@@ -30,10 +30,6 @@ _SOURCE_DIRS = (pathlib.Path(__file__).resolve().parent / "_csrc",
                 pathlib.Path(__file__).resolve().parent.parent / "csrc")
 
 
-#: What the shims compile or include, under csrc/ (setup.py copies these into the package).
-RUNTIME_SOURCES = ("torch/oom_shim.cpp", "torch/torch_allocator.cpp", "torch/allocator.h", "arena/arena.h")
-
-
 def source_dir() -> pathlib.Path:
     for d in _SOURCE_DIRS:
         if all((d / name).exists() for name in RUNTIME_SOURCES):
@@ -53,6 +49,10 @@ SHIMS = {
     "oom": Shim("the out-of-memory shim", "torch/oom_shim.cpp", cuda=False),
     "allocator": Shim("the process-scope allocator", "torch/torch_allocator.cpp", cuda=True),
 }
+#: The core's public headers a CUDA shim includes, under csrc/.
+CORE_HEADERS = ("torch/allocator.h", "arena/arena.h")
+#: What the shims compile or include (setup.py copies csrc/'s C++ files and headers into the package).
+RUNTIME_SOURCES = (*(shim.source for shim in SHIMS.values()), *CORE_HEADERS)
 _loaded: dict[str, ctypes.CDLL] = {}
 
 
@@ -100,7 +100,7 @@ def build(name: str = "oom") -> pathlib.Path:
     csrc = source_dir()
     cxx = _compiler(shim.what)
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    sources = [csrc / shim.source] + ([csrc / "torch/allocator.h", csrc / "arena/arena.h"] if shim.cuda else [])
+    sources = [csrc / name for name in (shim.source, *(CORE_HEADERS if shim.cuda else ()))]
     key = hashlib.sha256(b"\0".join([*(p.read_bytes() for p in sources), torch.__version__.encode(),
                                      " ".join(cxx).encode(), str(abi).encode()])).hexdigest()[:16]
     out = cache_dir() / f"{pathlib.Path(shim.source).stem}-{key}.so"
