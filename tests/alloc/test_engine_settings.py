@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from alloc import engine_settings as es
-from tests.support import ROOT, run_python
+from tests.support import ROOT, fake_package, run_python
 
 DRIVER = {es.SCOPE_VAR: "workspace", "INDEXER_ARENA_CONF": "budget_mb:256"}
 NODE_OWN = {es.SCOPE_VAR: "process", "INDEXER_ARENA_CONF": "budget_mb:1024"}
@@ -76,12 +76,7 @@ print("RUNS", plugin.installed_scope() if plugin.is_installed() else None,
 
 @pytest.fixture
 def fake_path(tmp_path):
-    pkg = tmp_path / "fake_engine"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "ray_env.py").write_text(textwrap.dedent(RAY_ENV))
-    (pkg / "worker.py").write_text(textwrap.dedent(WORKER))
-    return str(tmp_path)
+    return str(fake_package(tmp_path, {"ray_env": RAY_ENV, "worker": WORKER}))
 
 
 def _node_env(own: dict) -> dict:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import alloc
 from alloc import engines
-from tests.support import run_python
+from tests.support import fake_package, run_python
 
 
 def _installed_as_a_distribution() -> bool:
@@ -137,11 +137,7 @@ class GPUModelRunner:
 @pytest.fixture
 def fake_engine_path(tmp_path):
     """A folder holding a package that stands in for an engine's module."""
-    pkg = tmp_path / "fake_engine"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "model.py").write_text(textwrap.dedent(FAKE_ENGINE))
-    return tmp_path
+    return fake_package(tmp_path, {"model": FAKE_ENGINE})
 
 
 @pytest.fixture

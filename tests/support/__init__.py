@@ -15,6 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent
 
 
+def fake_package(root: Path, modules: dict[str, str], name: str = "fake_engine") -> Path:
+    """A package `name` under `root` holding `modules` ({module: source}, dedented), standing in
+    for an engine's; returns `root`, the folder to put on sys.path."""
+    pkg = root / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for module, source in modules.items():
+        (pkg / f"{module}.py").write_text(textwrap.dedent(source))
+    return root
+
+
 def run_python(code: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (a fresh CUDA context, a fresh allocator choice)."""
     full_env = {**os.environ, **(env or {})}
